@@ -1,0 +1,26 @@
+"""commopt: communication-compressed, error-compensated optimizers for slow networks.
+
+1-bit Adam, 1-bit LAMB and 0/1 Adam as drop-in ``torch.optim`` optimizers that own their
+gradient communication, on torch.distributed (NCCL/gloo) or MPI.
+"""
+
+from commopt.comm import Backend, MpiBackend, SingleProcessBackend, TorchBackend
+from commopt.compressed import NonFiniteError, compressed_allreduce, padded_size
+from commopt.launch import broadcast_parameters, discover_launch, init
+from commopt.optim import OnebitAdam
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Backend",
+    "MpiBackend",
+    "NonFiniteError",
+    "OnebitAdam",
+    "SingleProcessBackend",
+    "TorchBackend",
+    "broadcast_parameters",
+    "compressed_allreduce",
+    "discover_launch",
+    "init",
+    "padded_size",
+]

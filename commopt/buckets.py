@@ -1,0 +1,79 @@
+"""Flat buckets: many parameter tensors laid end to end in a few large fp32 buffers.
+
+Communication cost is dominated by per-call latency for small tensors, so the optimizers move
+whole buckets, never single tensors. A bucket never mixes devices; it may span param groups,
+and each group's parameters occupy one contiguous *segment* of it, so per-group
+hyperparameters apply to a slice of the flat buffer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import torch
+
+__all__ = ["DEFAULT_BUCKET_NUMEL", "Bucket", "Segment", "build_buckets"]
+
+# 2**25 fp32 elements = 128 MiB: large enough that latency is negligible against bandwidth
+# even on a fast link, small enough to bound the temporary buffers of one compressed call.
+DEFAULT_BUCKET_NUMEL = 1 << 25
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+    """Parameters of param group ``group`` stored in ``[start, stop)`` of the bucket."""
+
+    group: int
+    start: int
+    stop: int
+    params: tuple[torch.Tensor, ...]
+
+
+@dataclasses.dataclass
+class Bucket:
+    """An ordered run of parameters and where each lives in the flat buffer."""
+
+    params: list[torch.Tensor]
+    offsets: list[int]
+    segments: list[Segment]
+    numel: int
+    device: torch.device
+
+    def new_buffer(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.zeros(self.numel, dtype=dtype, device=self.device)
+
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """One view of ``flat`` per parameter, shaped like it."""
+        return [
+            flat[o : o + p.numel()].view(p.shape) for p, o in zip(self.params, self.offsets, strict=True)
+        ]
+
+
+def build_buckets(
+    param_groups: Sequence[dict], max_numel: int | None = DEFAULT_BUCKET_NUMEL
+) -> list[Bucket]:
+    """Lay out every parameter of ``param_groups`` in order into buckets of at most ``max_numel``
+    elements (``None``: one bucket per device). A single larger tensor gets a bucket of its own.
+    """
+    buckets: list[Bucket] = []
+    open_by_device: dict[torch.device, Bucket] = {}
+    for gi, group in enumerate(param_groups):
+        for p in group["params"]:
+            bucket = open_by_device.get(p.device)
+            if bucket is None or (
+                max_numel is not None and bucket.numel and bucket.numel + p.numel() > max_numel
+            ):
+                bucket = Bucket([], [], [], 0, p.device)
+                buckets.append(bucket)
+                open_by_device[p.device] = bucket
+            bucket.params.append(p)
+            bucket.offsets.append(bucket.numel)
+            last = bucket.segments[-1] if bucket.segments else None
+            stop = bucket.numel + p.numel()
+            if last is not None and last.group == gi:
+                bucket.segments[-1] = Segment(gi, last.start, stop, (*last.params, p))
+            else:
+                bucket.segments.append(Segment(gi, bucket.numel, stop, (p,)))
+            bucket.numel = stop
+    return buckets

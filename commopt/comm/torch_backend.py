@@ -1,0 +1,73 @@
+"""torch.distributed as a commopt backend: NCCL on GPU, gloo on CPU, any process group."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from commopt.comm.base import CommStats, ReduceOp, check_equal_split
+
+__all__ = ["TorchBackend"]
+
+_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+class TorchBackend:
+    """Collectives through ``torch.distributed`` on ``group`` (default: the default group).
+
+    gloo has no ``AVG`` reduction, so ``op="avg"`` is a sum followed by a division by
+    ``world_size`` on every backend, which keeps results identical whichever engine runs.
+    """
+
+    name = "torch"
+
+    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "TorchBackend needs an initialized torch.distributed: call commopt.init() or "
+                "torch.distributed.init_process_group() first"
+            )
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.stats = CommStats()
+        self.engine = dist.get_backend(group)
+
+    def all_reduce(self, t: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
+        self.stats.record("all_reduce", t.numel() * t.element_size(), self.world_size)
+        if op == "avg":
+            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
+            t.div_(self.world_size)
+        else:
+            if op not in _OPS:
+                raise ValueError(f"all_reduce: unknown op {op!r}; expected sum, avg, max or min")
+            dist.all_reduce(t, op=_OPS[op], group=self.group)
+        return t
+
+    def all_gather(self, out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        check_equal_split("all_gather", out, t, self.world_size)
+        self.stats.record("all_gather", t.numel() * t.element_size(), self.world_size)
+        dist.all_gather_single(out.view(-1), t.reshape(-1), group=self.group)
+        return out
+
+    def all_to_all(self, out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        check_equal_split("all_to_all", out, t, self.world_size)
+        self.stats.record("all_to_all", t.numel() * t.element_size(), self.world_size)
+        dist.all_to_all_single(out.view(-1), t.reshape(-1), group=self.group)
+        return out
+
+    def broadcast(self, t: torch.Tensor, src: int = 0) -> torch.Tensor:
+        if not 0 <= src < self.world_size:
+            raise ValueError(f"broadcast: src {src} out of range for world size {self.world_size}")
+        self.stats.record("broadcast", t.numel() * t.element_size(), self.world_size)
+        # torch.distributed takes a global rank for src; translate from the group rank.
+        global_src = src if self.group is None else dist.get_global_rank(self.group, src)
+        dist.broadcast(t, src=global_src, group=self.group)
+        return t
+
+    def barrier(self) -> None:
+        self.stats.record("barrier", 0, self.world_size)
+        dist.barrier(group=self.group)
+
+    def __repr__(self) -> str:
+        return f"TorchBackend(engine={self.engine!r}, rank={self.rank}, world_size={self.world_size})"

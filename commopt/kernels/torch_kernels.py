@@ -1,0 +1,101 @@
+"""The per-element work of the compressed allreduce in plain torch (numpy for bit packing on CPU).
+
+This is the reference implementation and the fallback for every device: each function is a few
+whole-tensor operations whose floating-point results are defined exactly (see
+:mod:`commopt.kernels`), so a faster implementation can be checked against it bit for bit.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+__all__ = ["TorchKernels"]
+
+# Bit weights of one packed byte, most significant first (numpy ``packbits`` order).
+_MSB_FIRST = (128, 64, 32, 16, 8, 4, 2, 1)
+
+
+def _pack_signs(pos: torch.Tensor, out: torch.Tensor) -> None:
+    """out[k] = byte whose bit 7−i is pos[8k+i]."""
+    if pos.device.type == "cpu":
+        out.numpy()[:] = np.packbits(pos.numpy())
+        return
+    weights = torch.tensor(_MSB_FIRST, dtype=torch.uint8, device=pos.device)
+    torch.sum(pos.view(-1, 8).to(torch.uint8) * weights, dim=1, dtype=torch.uint8, out=out)
+
+
+def _unpack_signs(bits: torch.Tensor) -> torch.Tensor:
+    """bool tensor of 8·len(bits) elements; True where the bit is set (MSB first)."""
+    if bits.device.type == "cpu":
+        return torch.from_numpy(np.unpackbits(bits.numpy()).view(np.bool_))
+    weights = torch.tensor(_MSB_FIRST, dtype=torch.uint8, device=bits.device)
+    return (bits.view(-1, 1) & weights).ne(0).view(-1)
+
+
+def _signed_scale(pos: torch.Tensor, s: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out = s·sgn: +s where pos else −s, exactly (2s·b − s is exact in binary floating point)."""
+    torch.mul(pos, 2 * s, out=out)
+    return out.sub_(s)
+
+
+def _rms(t: torch.Tensor) -> torch.Tensor:
+    """‖t‖₂ / √numel as a 1-element fp32 tensor."""
+    return (torch.linalg.vector_norm(t) / math.sqrt(t.numel())).reshape(1)
+
+
+class TorchKernels:
+    """Reference per-element path (SPEC §1 steps 1–4, 6–7, 9) for any device."""
+
+    name = "torch"
+
+    def compensate(self, x: torch.Tensor, worker_error: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        """Step 1–2: c = pad(x) + e; return s = ‖c‖₂/√N (1-element fp32 tensor)."""
+        n_true = x.numel()
+        torch.add(x, worker_error[:n_true], out=c[:n_true])
+        c[n_true:] = worker_error[n_true:]
+        return _rms(c)
+
+    def pack_worker_(
+        self, c: torch.Tensor, s: torch.Tensor, worker_error: torch.Tensor, bits: torch.Tensor
+    ) -> None:
+        """Steps 3–4: bits = pack(c ≥ 0); e ← c − s·sgn(c)."""
+        pos = c.ge(0)
+        _pack_signs(pos, bits)
+        torch.sub(c, _signed_scale(pos, s, worker_error), out=worker_error)
+
+    def server_reduce_(
+        self,
+        recv_bits: torch.Tensor,
+        scales: torch.Tensor,
+        server_error: torch.Tensor,
+        bits: torch.Tensor,
+    ) -> torch.Tensor:
+        """Steps 6–7: a = (Σ_i s_i·sgn_i)/n summed in rank order; c_s = a + f;
+        t = ‖c_s‖₂/√M; bits = pack(c_s ≥ 0); f ← c_s − t·sgn(c_s). Returns t."""
+        n = recv_bits.shape[0]
+        acc = torch.zeros_like(server_error)
+        term = torch.empty_like(server_error)
+        for i in range(n):
+            acc.add_(_signed_scale(_unpack_signs(recv_bits[i]), scales[i], term))
+        c_s = acc.div_(n).add_(server_error)
+        t = _rms(c_s)
+        pos = c_s.ge(0)
+        _pack_signs(pos, bits)
+        torch.sub(c_s, _signed_scale(pos, t, term), out=server_error)
+        return t
+
+    def unpack_scaled_(self, bits: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> None:
+        """Step 9: out = concat_j t_j·sgn(bits_j), first out.numel() elements."""
+        n, chunk_bytes = bits.shape
+        chunk = 8 * chunk_bytes
+        n_true = out.numel()
+        for j in range(n):
+            lo = j * chunk
+            if lo >= n_true:
+                break
+            hi = min(n_true, lo + chunk)
+            pos = _unpack_signs(bits[j])[: hi - lo]
+            _signed_scale(pos, scales[j], out[lo:hi])

@@ -1,0 +1,230 @@
+"""Launch discovery and start-up: who am I, how many are we, and one call to get going.
+
+``init()`` reads the environment left by the launcher — torchrun's ``RANK``/``WORLD_SIZE``/
+``LOCAL_RANK``/``MASTER_ADDR``/``MASTER_PORT``, Open MPI's ``OMPI_COMM_WORLD_*`` or MPICH/Hydra's
+``PMI_*`` — starts torch.distributed (NCCL on GPU, gloo on CPU) or an MPI backend, and makes it
+what ``backend=None`` means. Under ``mpirun`` alone there is no ``MASTER_ADDR``: rank 0 opens a
+``TCPStore`` on a free port and tells the others where it is through MPI.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import logging
+import os
+import socket
+import warnings
+from collections.abc import Iterable, Mapping
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+
+from commopt.comm import (
+    Backend,
+    MpiBackend,
+    SingleProcessBackend,
+    TorchBackend,
+    resolve_backend,
+    set_default_backend,
+)
+
+__all__ = ["LaunchInfo", "broadcast_parameters", "discover_launch", "init", "launched_by_mpi"]
+
+logger = logging.getLogger(__name__)
+
+# (launcher, rank variable, size variable, local-rank variable), in order of preference.
+_LAUNCHERS = (
+    ("torchrun", "RANK", "WORLD_SIZE", "LOCAL_RANK"),
+    ("openmpi", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
+    ("mpich", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID"),
+)
+_MPI_LAUNCHERS = ("openmpi", "mpich")
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchInfo:
+    """What the launcher told this process."""
+
+    launcher: str  # "torchrun", "openmpi", "mpich" or "none"
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str | None
+    master_port: int | None
+
+
+def _int_var(env: Mapping[str, str], name: str) -> int:
+    value = env[name]
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{name} environment variable must be an integer, got: {value!r}") from None
+
+
+def discover_launch(env: Mapping[str, str] | None = None) -> LaunchInfo:
+    """Read rank, world size and rendezvous address from the launcher's variables.
+
+    Raises:
+        ValueError: the variables contradict each other (one of a rank/size pair set without
+            the other, a non-integer, a rank outside ``[0, world_size)``).
+    """
+    env = os.environ if env is None else env
+    for launcher, rank_var, size_var, local_var in _LAUNCHERS:
+        has_rank, has_size = rank_var in env, size_var in env
+        if not (has_rank or has_size):
+            continue
+        if has_rank != has_size:
+            present, missing = (rank_var, size_var) if has_rank else (size_var, rank_var)
+            raise ValueError(
+                f"{present}={env[present]} is set but {missing} is not: launch with torchrun or "
+                f"mpirun, or set both {rank_var} and {size_var}"
+            )
+        rank, world_size = _int_var(env, rank_var), _int_var(env, size_var)
+        if world_size < 1:
+            raise ValueError(f"{size_var} must be >= 1, got {world_size}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"{rank_var}={rank} is outside [0, {size_var}={world_size})")
+        local_rank = _int_var(env, local_var) if local_var in env else 0
+        port = _int_var(env, "MASTER_PORT") if "MASTER_PORT" in env else None
+        if launcher == "torchrun" and world_size > 1 and "MASTER_ADDR" not in env:
+            raise ValueError(
+                f"RANK and WORLD_SIZE={world_size} are set but MASTER_ADDR is not: torchrun sets "
+                "it; when launching by hand set MASTER_ADDR and MASTER_PORT too"
+            )
+        return LaunchInfo(launcher, rank, world_size, local_rank, env.get("MASTER_ADDR"), port)
+    return LaunchInfo("none", 0, 1, 0, env.get("MASTER_ADDR"), None)
+
+
+def launched_by_mpi(env: Mapping[str, str] | None = None) -> bool:
+    """True when an MPI launcher (Open MPI, MPICH/Hydra) started this process."""
+    env = os.environ if env is None else env
+    return "OMPI_COMM_WORLD_RANK" in env or "PMI_RANK" in env
+
+
+def _mpi_bootstrap_store(info: LaunchInfo, timeout: datetime.timedelta) -> dist.TCPStore:
+    """A torch.distributed store whose address rank 0 shares with the others over MPI."""
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    if comm.Get_size() != info.world_size:
+        raise RuntimeError(
+            f"MPI reports {comm.Get_size()} processes but the launcher variables say "
+            f"{info.world_size}"
+        )
+    hostnames = comm.allgather(socket.gethostname())
+    if info.rank == 0:
+        # One host: loopback. Several: the address rank 0's hostname resolves to.
+        if info.master_addr:
+            addr = info.master_addr
+        elif len(set(hostnames)) == 1:
+            addr = "127.0.0.1"
+        else:
+            addr = socket.gethostbyname(socket.gethostname())
+        store = dist.TCPStore(addr, 0, info.world_size, is_master=True, timeout=timeout)
+        addr_port = comm.bcast((addr, store.port), root=0)
+    else:
+        addr, port = comm.bcast(None, root=0)
+        store = dist.TCPStore(addr, port, info.world_size, is_master=False, timeout=timeout)
+        addr_port = (addr, port)
+    logger.info("rank %d: torch.distributed bootstrapped over MPI at %s:%d", info.rank, *addr_port)
+    return store
+
+
+def init(
+    backend: Literal["auto", "torch", "mpi"] = "auto",
+    *,
+    device: str | torch.device | None = None,
+    timeout: float = 600.0,
+    cuda_aware: bool = False,
+) -> Backend:
+    """Start communication for this process and make it the default backend.
+
+    Args:
+        backend: ``"torch"`` (torch.distributed: NCCL for CUDA, gloo for CPU), ``"mpi"``
+            (mpi4py on ``COMM_WORLD``) or ``"auto"``, which means ``"torch"``.
+        device: the device training runs on; chooses NCCL vs gloo. Default: CUDA (GPU
+            ``LOCAL_RANK``) when available, else CPU.
+        timeout: seconds a collective may wait for the other ranks before failing.
+        cuda_aware: for ``"mpi"``, pass CUDA buffers straight to a CUDA-aware MPI.
+
+    Returns:
+        The backend now used wherever ``backend=None``.
+
+    Raises:
+        ValueError: inconsistent launcher environment, or an unknown ``backend``.
+    """
+    if backend not in ("auto", "torch", "mpi"):
+        raise ValueError(f"Invalid backend: {backend!r} (expected 'auto', 'torch' or 'mpi')")
+    info = discover_launch()
+    if backend == "mpi":
+        chosen: Backend = MpiBackend(cuda_aware=cuda_aware)
+        set_default_backend(chosen)
+        return chosen
+
+    if device is None:
+        device = f"cuda:{info.local_rank}" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+    if dist.is_initialized():
+        warnings.warn(
+            "torch.distributed is already initialized; commopt uses its default group",
+            stacklevel=2,
+        )
+    elif info.world_size == 1:
+        chosen = SingleProcessBackend()
+        set_default_backend(chosen)
+        return chosen
+    else:
+        engine = "nccl" if device.type == "cuda" else "gloo"
+        td = datetime.timedelta(seconds=timeout)
+        if info.launcher in _MPI_LAUNCHERS and not (info.master_addr and info.master_port):
+            store = _mpi_bootstrap_store(info, td)
+            dist.init_process_group(
+                engine, store=store, rank=info.rank, world_size=info.world_size, timeout=td
+            )
+        else:
+            if info.master_addr is None or info.master_port is None:
+                raise ValueError(
+                    "MASTER_ADDR and MASTER_PORT must both be set to start torch.distributed "
+                    f"(got MASTER_ADDR={info.master_addr!r}, MASTER_PORT={info.master_port!r})"
+                )
+            dist.init_process_group(
+                engine,
+                init_method=f"tcp://{info.master_addr}:{info.master_port}",
+                rank=info.rank,
+                world_size=info.world_size,
+                timeout=td,
+            )
+    chosen = TorchBackend()
+    set_default_backend(chosen)
+    return chosen
+
+
+@torch.no_grad()
+def broadcast_parameters(
+    params: torch.nn.Module | Iterable[torch.Tensor], src: int = 0, backend: Backend | None = None
+) -> None:
+    """Overwrite every parameter and buffer with rank ``src``'s copy, so all replicas start equal.
+
+    Accepts a module (its parameters and buffers, in ``state_dict`` order) or an iterable of
+    tensors. Every rank must pass the same tensors in the same order.
+    """
+    be = resolve_backend(backend)
+    if isinstance(params, torch.nn.Module):
+        tensors = list(params.state_dict(keep_vars=True).values())
+    else:
+        tensors = list(params)
+    if be.world_size == 1:
+        return
+    for t in tensors:
+        t = t.data if isinstance(t, torch.nn.Parameter) else t
+        if t.is_contiguous():
+            be.broadcast(t, src)
+        else:
+            tmp = t.contiguous()
+            be.broadcast(tmp, src)
+            t.copy_(tmp)

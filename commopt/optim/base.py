@@ -1,0 +1,333 @@
+"""What every commopt optimizer shares: backend, flat buckets, per-rank error buffers, checks.
+
+The algorithms themselves live one per file (``onebit_adam.py`` …) and read like their papers;
+this module holds the plumbing they have in common, so none of them repeats it:
+
+- the backend is resolved at the first ``step()`` (``backend=None`` → SPEC §5), never saved;
+- at the first step one cheap fingerprint (parameter count, then shapes and dtypes) is
+  all-reduced so ranks with different models fail together, naming the first mismatch;
+- every step starts with one tiny all-reduce of flags (sparse gradient, non-finite gradient)
+  so all ranks raise or skip alike instead of one raising while the rest hang;
+- optimizer state lives in flat fp32 buffers per bucket; ``state[p]`` holds views into them,
+  so ``state_dict()`` looks like torch's;
+- the worker/server error buffers belong to this rank and are saved in ``state_dict()`` under
+  ``"commopt"`` together with the world size, and restored on resume at the same world size.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from commopt.buckets import DEFAULT_BUCKET_NUMEL, Bucket, build_buckets
+from commopt.comm import Backend, CommStats, resolve_backend
+from commopt.compressed import compressed_allreduce, padded_size
+
+__all__ = ["CompressedOptimizer", "check_beta", "check_nonnegative", "check_step_count"]
+
+logger = logging.getLogger(__name__)
+
+
+def check_nonnegative(name: str, value: float) -> None:
+    if not value >= 0.0:  # also rejects NaN
+        raise ValueError(f"Invalid {name}: {value} (must be >= 0)")
+
+
+def check_beta(index: int, value: float) -> None:
+    if not 0.0 <= value < 1.0:
+        raise ValueError(f"Invalid beta parameter at index {index}: {value} (must be in [0, 1))")
+
+
+def check_step_count(name: str, value: int, minimum: int, why: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"Invalid {name}: {value!r} (must be an int)")
+    if value < minimum:
+        raise ValueError(f"Invalid {name}: {value} (must be >= {minimum}: {why})")
+
+
+def _fingerprint(p: torch.Tensor) -> int:
+    """63-bit hash of a parameter's shape and dtype (identical on every rank for the same model)."""
+    key = f"{tuple(p.shape)}|{p.dtype}".encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
+
+
+class CompressedOptimizer(torch.optim.Optimizer):
+    """Base class: subclasses implement ``_step(t)`` and name their flat state keys."""
+
+    #: per-parameter fp32 state kept in flat bucket buffers, identical on all ranks
+    _flat_keys: tuple[str, ...] = ()
+    #: None: one bucket per device (a single fused compressed call); else the bucket size cap
+    _bucket_numel: int | None = DEFAULT_BUCKET_NUMEL
+
+    def __init__(self, params: Any, defaults: dict[str, Any], backend: Backend | None) -> None:
+        super().__init__(params, defaults)
+        for group in self.param_groups:
+            self._check_mask(group)
+        self._backend_arg = backend
+        self._backend: Backend | None = None
+        self._buckets: list[Bucket] | None = None
+        self._flat: list[dict[str, torch.Tensor]] = []
+        self._errors: list[dict[str, torch.Tensor]] = []
+        self._pending_comm: dict[str, Any] | None = None
+        self._checked = False
+        self.global_state: dict[str, Any] = {"step": 0, "skipped_steps": 0}
+        self._compressed_rounds = 0
+        self._full_rounds = 0
+
+    # -- hooks for subclasses -----------------------------------------------------------------
+    def _step(self, step: int) -> None:  # pragma: no cover - every subclass defines it
+        """Run step ``step`` (counted from 1) of the algorithm; flags were already agreed."""
+        raise NotImplementedError(f"{type(self).__name__} must define _step")
+
+    @staticmethod
+    def _check_mask(group: dict[str, Any]) -> None:
+        mask = group.get("exp_avg_mask")
+        if mask is None:
+            return
+        if not isinstance(mask, torch.Tensor):
+            raise TypeError(f"exp_avg_mask must be a tensor, got {type(mask).__name__}")
+        for p in group["params"]:
+            try:
+                torch.broadcast_shapes(mask.shape, p.shape)
+            except RuntimeError:
+                raise ValueError(
+                    f"exp_avg_mask of shape {tuple(mask.shape)} does not broadcast to a parameter "
+                    f"of shape {tuple(p.shape)} in its group"
+                ) from None
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        self._check_mask(self.param_groups[-1])
+        self._buckets = None  # re-layout at the next step
+
+    # -- backend and layout -------------------------------------------------------------------
+    @property
+    def backend(self) -> Backend:
+        if self._backend is None:
+            self._backend = resolve_backend(self._backend_arg)
+        return self._backend
+
+    def comm_stats(self) -> dict[str, Any]:
+        """Traffic of this optimizer's backend plus full-precision vs compressed rounds."""
+        stats: CommStats = self.backend.stats
+        return {
+            "calls": stats.calls,
+            "bytes_sent": stats.bytes_sent,
+            "calls_by_op": dict(stats.calls_by_op),
+            "bytes_by_op": dict(stats.bytes_by_op),
+            "full_precision_rounds": self._full_rounds,
+            "compressed_rounds": self._compressed_rounds,
+            "skipped_steps": self.global_state["skipped_steps"],
+        }
+
+    def _check_same_model(self) -> None:
+        """All ranks must hold the same parameters: agree once, name the first mismatch."""
+        be = self.backend
+        if be.world_size == 1:
+            return
+        params = [p for g in self.param_groups for p in g["params"]]
+        count = torch.tensor([len(params), -len(params)], dtype=torch.int64)
+        be.all_reduce(count, "max")
+        if count[0] != -count[1]:
+            raise ValueError(
+                f"parameter count differs between ranks: rank {be.rank} has {len(params)}, "
+                f"the largest is {int(count[0])} and the smallest {int(-count[1])}"
+            )
+        prints = torch.tensor([_fingerprint(p) for p in params], dtype=torch.int64)
+        both = torch.cat([prints, -prints])
+        be.all_reduce(both, "max")
+        mismatch = (both[: len(params)] != -both[len(params) :]).nonzero()
+        if len(mismatch):
+            i = int(mismatch[0])
+            gi, pi = self._locate(i)
+            raise ValueError(
+                f"parameter shapes or dtypes differ between ranks; first mismatch at "
+                f"param_groups[{gi}]['params'][{pi}] (flat index {i}), shape "
+                f"{tuple(params[i].shape)} {params[i].dtype} on rank {be.rank}"
+            )
+
+    def _locate(self, flat_index: int) -> tuple[int, int]:
+        for gi, g in enumerate(self.param_groups):
+            if flat_index < len(g["params"]):
+                return gi, flat_index
+            flat_index -= len(g["params"])
+        raise IndexError(flat_index)
+
+    def _layout(self) -> None:
+        """Build buckets and flat state; move any loaded per-parameter state into them."""
+        n = self.backend.world_size
+        self._buckets = build_buckets(self.param_groups, self._bucket_numel)
+        self._flat, self._errors = [], []
+        for bucket in self._buckets:
+            flat = {key: bucket.new_buffer() for key in self._flat_keys}
+            for key, buf in flat.items():
+                for p, view in zip(bucket.params, bucket.views(buf), strict=True):
+                    old = self.state[p].get(key)
+                    if old is not None:
+                        view.copy_(old)
+                    self.state[p][key] = view
+            self._flat.append(flat)
+            padded = padded_size(bucket.numel, n)
+            self._errors.append(
+                {
+                    "worker_error": torch.zeros(padded, device=bucket.device),
+                    "server_error": torch.zeros(padded // n, device=bucket.device),
+                }
+            )
+        if self._pending_comm is not None:
+            self._restore_errors(self._pending_comm)
+            self._pending_comm = None
+
+    def _restore_errors(self, comm: dict[str, Any]) -> None:
+        be = self.backend
+        saved = comm.get("buckets", [])
+        if comm.get("world_size") != be.world_size:
+            warnings.warn(
+                f"checkpoint was saved at world size {comm.get('world_size')}, now {be.world_size}: "
+                "the per-rank error buffers are reset to zero (everything else is restored)",
+                stacklevel=3,
+            )
+            return
+        if comm.get("rank") != be.rank:
+            warnings.warn(
+                f"error buffers saved by rank {comm.get('rank')} are loaded on rank {be.rank}",
+                stacklevel=3,
+            )
+        if [b["numel"] for b in saved] != [b.numel for b in self._buckets or []]:
+            raise ValueError(
+                "saved bucket layout does not match this optimizer's parameters: saved "
+                f"{[b['numel'] for b in saved]} elements per bucket, have "
+                f"{[b.numel for b in self._buckets or []]}"
+            )
+        for errors, entry in zip(self._errors, saved, strict=True):
+            for key in ("worker_error", "server_error"):
+                errors[key].copy_(entry[key])
+
+    # -- per-step helpers ---------------------------------------------------------------------
+    def _preflight(self) -> bool:
+        """Agree across ranks on sparse and non-finite gradients. True: go on; False: skip."""
+        be = self.backend
+        sparse_where = None
+        nonfinite = False
+        for gi, group in enumerate(self.param_groups):
+            for pi, p in enumerate(group["params"]):
+                g = p.grad
+                if g is None:
+                    continue
+                if g.is_sparse:
+                    sparse_where = sparse_where or f"param_groups[{gi}]['params'][{pi}]"
+                elif not nonfinite and not bool(torch.isfinite(g).all()):
+                    nonfinite = True
+        flags = torch.tensor([sparse_where is not None, nonfinite], dtype=torch.int64)
+        if be.world_size > 1:
+            be.all_reduce(flags, "max")
+        if flags[0]:
+            where = sparse_where or f"a parameter on another rank (not rank {be.rank})"
+            raise RuntimeError(
+                f"{type(self).__name__} does not support sparse gradients (found at {where}); "
+                "use dense gradients, e.g. nn.Embedding(sparse=False)"
+            )
+        if flags[1]:
+            self.global_state["skipped_steps"] += 1
+            warnings.warn(
+                f"{type(self).__name__}: non-finite gradient on at least one rank at step "
+                f"{self.global_state['step'] + 1}; the step is skipped on every rank and no "
+                "state changed",
+                stacklevel=3,
+            )
+            return False
+        return True
+
+    def _gather_grads(self, bucket: Bucket, out: torch.Tensor) -> torch.Tensor:
+        """Copy this rank's gradients into ``out`` (flat fp32); a missing gradient counts as 0."""
+        for p, view in zip(bucket.params, bucket.views(out), strict=True):
+            if p.grad is None:
+                view.zero_()
+            else:
+                view.copy_(p.grad)
+        return out
+
+    def _average(self, flat: torch.Tensor) -> torch.Tensor:
+        """Full-precision average across ranks (warmup and variance steps)."""
+        if self.backend.world_size > 1:
+            self.backend.all_reduce(flat, "avg")
+            self._full_rounds += 1
+        return flat
+
+    def _compress(self, bucket_index: int, flat: torch.Tensor) -> torch.Tensor:
+        """Error-compensated 1-bit average of ``flat`` across ranks, written back into it."""
+        if self.backend.world_size > 1:
+            errors = self._errors[bucket_index]
+            compressed_allreduce(
+                flat, errors["worker_error"], errors["server_error"], self.backend, out=flat
+            )
+            self._compressed_rounds += 1
+        return flat
+
+    @staticmethod
+    def _apply_mask(bucket: Bucket, flat: torch.Tensor, param_groups: list[dict[str, Any]]) -> None:
+        for seg in bucket.segments:
+            mask = param_groups[seg.group].get("exp_avg_mask")
+            if mask is None:
+                continue
+            start = seg.start
+            for p in seg.params:
+                view = flat[start : start + p.numel()].view(p.shape)
+                view.mul_(mask.to(device=view.device, dtype=view.dtype))
+                start += p.numel()
+
+    @staticmethod
+    def _add_to_params(bucket: Bucket, update: torch.Tensor) -> None:
+        """p ← p + update (flat fp32), cast to each parameter's dtype."""
+        for p, u in zip(bucket.params, bucket.views(update), strict=True):
+            p.add_(u if p.dtype == u.dtype else u.to(p.dtype))
+
+    # -- torch.optim.Optimizer API ------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if not self._checked:
+            self._check_same_model()
+            self._checked = True
+        if self._buckets is None:
+            self._layout()
+        if not self._preflight():
+            return loss
+        self.global_state["step"] += 1
+        self._step(self.global_state["step"])
+        return loss
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch's ``state_dict`` plus ``"commopt"``: global state and this rank's error buffers."""
+        sd = super().state_dict()
+        be = self.backend
+        sd["commopt"] = {
+            "global": dict(self.global_state),
+            "world_size": be.world_size,
+            "rank": be.rank,
+            "buckets": [
+                {"numel": b.numel, **{k: v.clone() for k, v in e.items()}}
+                for b, e in zip(self._buckets or [], self._errors, strict=True)
+            ],
+        }
+        if self._pending_comm is not None and not sd["commopt"]["buckets"]:
+            sd["commopt"]["buckets"] = self._pending_comm.get("buckets", [])
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state_dict = dict(state_dict)
+        comm = state_dict.pop("commopt", None)
+        super().load_state_dict(state_dict)
+        if comm is not None:
+            self.global_state = dict(comm["global"])
+            self._pending_comm = comm
+        self._buckets = None  # rebuild flat buffers from the loaded per-parameter state
+        self._checked = False

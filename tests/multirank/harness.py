@@ -1,0 +1,88 @@
+"""Start gloo ranks cheaply with fork, run a function on each, collect results or failures.
+
+Each rank runs ``fn(backend, *args)`` with a fresh ``TorchBackend`` over gloo (FileStore in a
+temporary directory) and sends back its return value. A rank that raises sends the exception
+text; a rank that hangs is killed at ``timeout`` and the test fails saying so.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import tempfile
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["RankError", "run_ranks"]
+
+
+class RankError(RuntimeError):
+    """A rank raised; ``messages[r]`` is rank r's exception text (None where it succeeded)."""
+
+    def __init__(self, messages: list[str | None]) -> None:
+        self.messages = messages
+        shown = "\n".join(f"--- rank {r} ---\n{m}" for r, m in enumerate(messages) if m)
+        super().__init__(shown)
+
+
+def _worker(rank: int, n: int, path: str, fn: Callable, args: tuple, queue: Any) -> None:
+    try:
+        torch.set_num_threads(1)
+        from commopt.comm import TorchBackend, set_default_backend
+
+        dist.init_process_group(
+            "gloo", init_method=f"file://{path}", rank=rank, world_size=n
+        )
+        backend = TorchBackend()
+        set_default_backend(backend)
+        result = fn(backend, *args)
+        # Plain pickle: torch's multiprocessing reducers would share tensors through file
+        # descriptors that die with this process.
+        queue.put((rank, True, pickle.dumps(result)))
+    except BaseException as err:  # report everything, including assertion failures
+        queue.put((rank, False, f"{type(err).__name__}: {err}\n{traceback.format_exc()}"))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 60.0) -> list[Any]:
+    """Run ``fn(backend, *args)`` on ``world_size`` forked gloo ranks; return results by rank.
+
+    Raises:
+        RankError: some rank raised (all messages included).
+        TimeoutError: some rank did not finish within ``timeout`` seconds.
+    """
+    ctx = mp.get_context("fork")
+    queue = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "store")
+        procs = [
+            ctx.Process(target=_worker, args=(r, world_size, path, fn, args, queue), daemon=True)
+            for r in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        results: dict[int, tuple[bool, Any]] = {}
+        try:
+            for _ in range(world_size):
+                rank, ok, value = queue.get(timeout=timeout)
+                results[rank] = (ok, value)
+        except Exception:
+            for p in procs:
+                p.kill()
+            missing = sorted(set(range(world_size)) - set(results))
+            raise TimeoutError(
+                f"ranks {missing} did not finish within {timeout} s; others: "
+                f"{ {r: v[1] for r, v in results.items() if not v[0]} }"
+            ) from None
+        for p in procs:
+            p.join(timeout)
+    if not all(ok for ok, _ in results.values()):
+        raise RankError([None if results[r][0] else results[r][1] for r in range(world_size)])
+    return [pickle.loads(results[r][1]) for r in range(world_size)]
