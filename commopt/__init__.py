@@ -4,7 +4,7 @@
 gradient communication, on torch.distributed (NCCL/gloo) or MPI.
 """
 
-from commopt.comm import Backend, MpiBackend, SingleProcessBackend, TorchBackend
+from commopt.comm import Backend, MixedBackend, MpiBackend, SingleProcessBackend, TorchBackend
 from commopt.compressed import NonFiniteError, compressed_allreduce, padded_size
 from commopt.launch import broadcast_parameters, discover_launch, init
 from commopt.optim import OnebitAdam
@@ -13,6 +13,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Backend",
+    "MixedBackend",
     "MpiBackend",
     "NonFiniteError",
     "OnebitAdam",

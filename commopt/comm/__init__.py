@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import os
+
 import torch.distributed as dist
 
 from commopt.comm.base import OPERATIONS, Backend, CommStats, SingleProcessBackend, model_bytes
+from commopt.comm.mixed import MixedBackend, available_backends
 from commopt.comm.mpi_backend import MpiBackend
 from commopt.comm.torch_backend import TorchBackend
 
@@ -12,9 +15,11 @@ __all__ = [
     "OPERATIONS",
     "Backend",
     "CommStats",
+    "MixedBackend",
     "MpiBackend",
     "SingleProcessBackend",
     "TorchBackend",
+    "available_backends",
     "get_default_backend",
     "model_bytes",
     "resolve_backend",
@@ -23,6 +28,7 @@ __all__ = [
 
 _default: Backend | None = None
 _implicit: Backend | None = None  # built by resolve_backend when nothing was set explicitly
+_from_tables: dict[str, MixedBackend] = {}  # backend="table.json" → one MixedBackend per path
 
 
 def set_default_backend(backend: Backend | None) -> None:
@@ -37,12 +43,20 @@ def get_default_backend() -> Backend | None:
     return _default
 
 
-def resolve_backend(backend: Backend | None = None) -> Backend:
+def resolve_backend(backend: Backend | str | os.PathLike[str] | None = None) -> Backend:
     """Resolve ``backend=None``, in order: the backend set by ``commopt.init()``;
     torch.distributed's default group if it is initialized; MPI ``COMM_WORLD`` when launched by
     an MPI launcher; otherwise a world of one process.
+
+    A path to a selection table (``commopt tune``'s JSON) means a :class:`MixedBackend` over
+    :func:`available_backends` with that table, built once per path (collectively, on first use).
     """
     global _implicit
+    if isinstance(backend, (str, os.PathLike)):
+        key = os.path.abspath(os.fspath(backend))
+        if key not in _from_tables:
+            _from_tables[key] = MixedBackend.from_available(key)
+        return _from_tables[key]
     if backend is not None:
         return backend
     if _default is not None:
