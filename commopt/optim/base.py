@@ -16,11 +16,12 @@ this module holds the plumbing they have in common, so none of them repeats it:
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import logging
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -61,6 +62,11 @@ class CompressedOptimizer(torch.optim.Optimizer):
 
     #: per-parameter fp32 state kept in flat bucket buffers, identical on all ranks
     _flat_keys: tuple[str, ...] = ()
+    #: like ``_flat_keys`` but allocated only when the algorithm first asks (``_flat_buffer``)
+    _lazy_flat_keys: tuple[str, ...] = ()
+    #: one fp32 scalar per parameter tensor (key → initial value), kept in one flat buffer per
+    #: bucket; ``state[p][key]`` is a 0-d view into it
+    _scalar_keys: ClassVar[dict[str, float]] = {}
     #: None: one bucket per device (a single fused compressed call); else the bucket size cap
     _bucket_numel: int | None = DEFAULT_BUCKET_NUMEL
 
@@ -72,6 +78,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self._backend: Backend | None = None
         self._buckets: list[Bucket] | None = None
         self._flat: list[dict[str, torch.Tensor]] = []
+        self._scalars: list[dict[str, torch.Tensor]] = []
         self._errors: list[dict[str, torch.Tensor]] = []
         self._pending_comm: dict[str, Any] | None = None
         self._checked = False
@@ -83,6 +90,17 @@ class CompressedOptimizer(torch.optim.Optimizer):
     def _step(self, step: int) -> None:  # pragma: no cover - every subclass defines it
         """Run step ``step`` (counted from 1) of the algorithm; flags were already agreed."""
         raise NotImplementedError(f"{type(self).__name__} must define _step")
+
+    def _communicates(self, step: int) -> bool:
+        """Whether step ``step`` talks to other ranks. A purely local step (False) agrees on
+        nothing: its gradient flags are checked on this rank only (see ``_skip_local``)."""
+        del step
+        return True
+
+    def _skip_local(self, step: int) -> None:  # pragma: no cover - only with local steps
+        """Local step ``step`` had a non-finite gradient on this rank: drop this rank's update
+        but advance whatever schedule the ranks share, so they stay in lock step."""
+        raise NotImplementedError(f"{type(self).__name__} must define _skip_local")
 
     @staticmethod
     def _check_mask(group: dict[str, Any]) -> None:
@@ -162,16 +180,23 @@ class CompressedOptimizer(torch.optim.Optimizer):
         """Build buckets and flat state; move any loaded per-parameter state into them."""
         n = self.backend.world_size
         self._buckets = build_buckets(self.param_groups, self._bucket_numel)
-        self._flat, self._errors = [], []
+        self._flat, self._scalars, self._errors = [], [], []
         for bucket in self._buckets:
-            flat = {key: bucket.new_buffer() for key in self._flat_keys}
-            for key, buf in flat.items():
-                for p, view in zip(bucket.params, bucket.views(buf), strict=True):
+            flat = {key: self._new_flat(bucket, key) for key in self._flat_keys}
+            for key in self._lazy_flat_keys:
+                if any(key in self.state[p] for p in bucket.params):
+                    flat[key] = self._new_flat(bucket, key)
+            self._flat.append(flat)
+            scalars = {}
+            for key, initial in self._scalar_keys.items():
+                buf = torch.full((len(bucket.params),), initial, device=bucket.device)
+                for i, p in enumerate(bucket.params):
                     old = self.state[p].get(key)
                     if old is not None:
-                        view.copy_(old)
-                    self.state[p][key] = view
-            self._flat.append(flat)
+                        buf[i].copy_(old)
+                    self.state[p][key] = buf[i]
+                scalars[key] = buf
+            self._scalars.append(scalars)
             padded = padded_size(bucket.numel, n)
             self._errors.append(
                 {
@@ -182,6 +207,29 @@ class CompressedOptimizer(torch.optim.Optimizer):
         if self._pending_comm is not None:
             self._restore_errors(self._pending_comm)
             self._pending_comm = None
+
+    def _new_flat(self, bucket: Bucket, key: str) -> torch.Tensor:
+        """A flat fp32 buffer for ``key`` whose views become ``state[p][key]`` (old values kept)."""
+        buf = bucket.new_buffer()
+        for p, view in zip(bucket.params, bucket.views(buf), strict=True):
+            old = self.state[p].get(key)
+            if old is not None:
+                view.copy_(old)
+            self.state[p][key] = view
+        return buf
+
+    def _flat_buffer(self, bucket_index: int, key: str) -> torch.Tensor:
+        """The flat buffer of a lazy key, created (zeros) the first time it is asked for."""
+        flat = self._flat[bucket_index]
+        if key not in flat:
+            flat[key] = self._new_flat((self._buckets or [])[bucket_index], key)
+        return flat[key]
+
+    def _reset_errors(self) -> None:
+        """Zero every worker and server error buffer of this rank."""
+        for errors in self._errors:
+            for buf in errors.values():
+                buf.zero_()
 
     def _restore_errors(self, comm: dict[str, Any]) -> None:
         be = self.backend
@@ -209,8 +257,12 @@ class CompressedOptimizer(torch.optim.Optimizer):
                 errors[key].copy_(entry[key])
 
     # -- per-step helpers ---------------------------------------------------------------------
-    def _preflight(self) -> bool:
-        """Agree across ranks on sparse and non-finite gradients. True: go on; False: skip."""
+    def _preflight(self, collective: bool = True) -> bool:
+        """Agree across ranks on sparse and non-finite gradients. True: go on; False: skip.
+
+        With ``collective=False`` (a purely local step) nothing is communicated: the flags are
+        this rank's own, and False means only this rank's update is to be dropped.
+        """
         be = self.backend
         sparse_where = None
         nonfinite = False
@@ -224,7 +276,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
                 elif not nonfinite and not bool(torch.isfinite(g).all()):
                     nonfinite = True
         flags = torch.tensor([sparse_where is not None, nonfinite], dtype=torch.int64)
-        if be.world_size > 1:
+        if collective and be.world_size > 1:
             be.all_reduce(flags, "max")
         if flags[0]:
             where = sparse_where or f"a parameter on another rank (not rank {be.rank})"
@@ -234,12 +286,19 @@ class CompressedOptimizer(torch.optim.Optimizer):
             )
         if flags[1]:
             self.global_state["skipped_steps"] += 1
-            warnings.warn(
-                f"{type(self).__name__}: non-finite gradient on at least one rank at step "
-                f"{self.global_state['step'] + 1}; the step is skipped on every rank and no "
-                "state changed",
-                stacklevel=3,
-            )
+            if collective:
+                what = (
+                    "non-finite gradient on at least one rank at step "
+                    f"{self.global_state['step'] + 1}; the step is skipped on every rank and no "
+                    "state changed"
+                )
+            else:
+                what = (
+                    f"non-finite gradient on rank {be.rank} at local step "
+                    f"{self.global_state['step'] + 1}; this rank's local update is dropped (the "
+                    "step communicates nothing) and the next sync reconciles the replicas"
+                )
+            warnings.warn(f"{type(self).__name__}: {what}", stacklevel=3)
             return False
         return True
 
@@ -282,6 +341,19 @@ class CompressedOptimizer(torch.optim.Optimizer):
                 start += p.numel()
 
     @staticmethod
+    def _gather_params(bucket: Bucket, out: torch.Tensor) -> torch.Tensor:
+        """Copy the parameters into ``out`` (flat fp32)."""
+        for p, view in zip(bucket.params, bucket.views(out), strict=True):
+            view.copy_(p)
+        return out
+
+    @staticmethod
+    def _set_params(bucket: Bucket, flat: torch.Tensor) -> None:
+        """p ← flat (fp32), cast to each parameter's dtype."""
+        for p, view in zip(bucket.params, bucket.views(flat), strict=True):
+            p.copy_(view)
+
+    @staticmethod
     def _add_to_params(bucket: Bucket, update: torch.Tensor) -> None:
         """p ← p + update (flat fp32), cast to each parameter's dtype."""
         for p, u in zip(bucket.params, bucket.views(update), strict=True):
@@ -299,10 +371,15 @@ class CompressedOptimizer(torch.optim.Optimizer):
             self._checked = True
         if self._buckets is None:
             self._layout()
-        if not self._preflight():
+        step = self.global_state["step"] + 1
+        collective = self._communicates(step)
+        if not self._preflight(collective):
+            if not collective:  # a local step: the shared schedule still moves on
+                self.global_state["step"] = step
+                self._skip_local(step)
             return loss
-        self.global_state["step"] += 1
-        self._step(self.global_state["step"])
+        self.global_state["step"] = step
+        self._step(step)
         return loss
 
     def state_dict(self) -> dict[str, Any]:
@@ -310,7 +387,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         sd = super().state_dict()
         be = self.backend
         sd["commopt"] = {
-            "global": dict(self.global_state),
+            "global": copy.deepcopy(self.global_state),
             "world_size": be.world_size,
             "rank": be.rank,
             "buckets": [
@@ -326,8 +403,24 @@ class CompressedOptimizer(torch.optim.Optimizer):
         state_dict = dict(state_dict)
         comm = state_dict.pop("commopt", None)
         super().load_state_dict(state_dict)
+        self._keep_state_dtypes(state_dict)
         if comm is not None:
-            self.global_state = dict(comm["global"])
+            self.global_state = copy.deepcopy(comm["global"])
             self._pending_comm = comm
         self._buckets = None  # rebuild flat buffers from the loaded per-parameter state
         self._checked = False
+
+    def _keep_state_dtypes(self, state_dict: dict[str, Any]) -> None:
+        """Undo torch's cast of loaded state to the parameter's dtype: the optimizer state is
+        fp32 even for bf16/fp16 parameters, and a round trip through bf16 would lose bits."""
+        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        for saved_id, p in zip(saved_ids, params, strict=True):
+            for key, value in state_dict["state"].get(saved_id, {}).items():
+                if (
+                    isinstance(value, torch.Tensor)
+                    and value.is_floating_point()
+                    and value.dtype != p.dtype
+                    and key != "step"
+                ):
+                    self.state[p][key] = value.to(device=p.device, copy=True)
