@@ -4,6 +4,7 @@
 gradient communication, on torch.distributed (NCCL/gloo) or MPI.
 """
 
+from commopt.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from commopt.comm import Backend, MixedBackend, MpiBackend, SingleProcessBackend, TorchBackend
 from commopt.compressed import NonFiniteError, compressed_allreduce, padded_size
 from commopt.launch import broadcast_parameters, discover_launch, init
@@ -13,6 +14,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Backend",
+    "CheckpointError",
     "MixedBackend",
     "MpiBackend",
     "NonFiniteError",
@@ -23,5 +25,7 @@ __all__ = [
     "compressed_allreduce",
     "discover_launch",
     "init",
+    "load_checkpoint",
     "padded_size",
+    "save_checkpoint",
 ]

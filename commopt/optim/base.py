@@ -234,6 +234,8 @@ class CompressedOptimizer(torch.optim.Optimizer):
     def _restore_errors(self, comm: dict[str, Any]) -> None:
         be = self.backend
         saved = comm.get("buckets", [])
+        if not saved:  # saved before the first step, or reset on purpose: errors stay zero
+            return
         if comm.get("world_size") != be.world_size:
             warnings.warn(
                 f"checkpoint was saved at world size {comm.get('world_size')}, now {be.world_size}: "

@@ -1,0 +1,224 @@
+"""Checkpoints in one process: bit-exact resume, atomic replacement, and every refusal."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+import commopt
+from commopt.checkpoint import MANIFEST_NAME, SHARED_NAME, CheckpointError, shard_name
+
+
+def _model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randn(8, 5, generator=g), torch.randn(8, 2, generator=g)
+
+
+def _train(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: range) -> None:
+    for t in steps:
+        x, y = _batch(t)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+
+
+def _params(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("stop", [2, 5], ids=["warmup", "compression"])
+def test_resume_is_bit_exact(tmp_path, stop):
+    # freeze_step=3: stop=2 saves in warmup, stop=5 after the variance froze.
+    model = _model()
+    opt = commopt.OnebitAdam(model.parameters(), lr=1e-2, freeze_step=3)
+    _train(model, opt, range(stop))
+    commopt.save_checkpoint(tmp_path / "ck", model, opt, step=stop, note="hello")
+    _train(model, opt, range(stop, 9))
+    expected = _params(model)
+
+    fresh = _model(seed=1)  # different initial values: everything must come from the checkpoint
+    opt2 = commopt.OnebitAdam(fresh.parameters(), lr=1e-2, freeze_step=3)
+    extra = commopt.load_checkpoint(tmp_path / "ck", fresh, opt2)
+    assert extra == {"step": stop, "note": "hello"}
+    assert opt2.global_state["step"] == stop
+    _train(fresh, opt2, range(extra["step"], 9))
+    for a, b in zip(expected, _params(fresh), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_layout(tmp_path):
+    model = _model()
+    opt = commopt.OnebitAdam(model.parameters(), freeze_step=2)
+    _train(model, opt, range(3))
+    commopt.save_checkpoint(tmp_path / "ck", model, opt)
+    names = sorted(os.listdir(tmp_path / "ck"))
+    assert names == sorted([MANIFEST_NAME, SHARED_NAME, shard_name(0, 1)])
+    manifest = json.loads((tmp_path / "ck" / MANIFEST_NAME).read_text())
+    assert manifest["optimizer"] == "commopt.optim.onebit_adam.OnebitAdam"
+    assert manifest["world_size"] == 1
+    assert manifest["step"] == 3
+    assert manifest["commopt_version"] == commopt.__version__
+    assert manifest["param_shapes"] == [[[4, 5], [4], [2, 4], [2]]]
+    for name in (SHARED_NAME, shard_name(0, 1)):
+        assert manifest["files"][name]["bytes"] == os.path.getsize(tmp_path / "ck" / name)
+    assert not os.path.exists(tmp_path / "ck.tmp")
+
+
+def test_overwrite_replaces_the_old_checkpoint(tmp_path):
+    model = _model()
+    opt = commopt.OnebitAdam(model.parameters(), freeze_step=2)
+    _train(model, opt, range(2))
+    commopt.save_checkpoint(tmp_path / "ck", model, opt, step=2)
+    _train(model, opt, range(2, 4))
+    commopt.save_checkpoint(tmp_path / "ck", model, opt, step=4)
+    opt2 = commopt.OnebitAdam(_model().parameters(), freeze_step=2)
+    assert commopt.load_checkpoint(tmp_path / "ck", None, opt2) == {"step": 4}
+    assert sorted(os.listdir(tmp_path)) == ["ck"]
+
+
+def test_crash_mid_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    import commopt.checkpoint as ck
+
+    model = _model()
+    opt = commopt.OnebitAdam(model.parameters(), freeze_step=2)
+    _train(model, opt, range(3))
+    commopt.save_checkpoint(tmp_path / "ck", model, opt, step=3)
+    saved = _params(model)
+    _train(model, opt, range(3, 5))
+
+    real = ck._write_atomic
+    calls = []
+
+    def crash_on_second_file(obj, directory, name):
+        calls.append(name)
+        if len(calls) == 2:
+            raise OSError("No space left on device")
+        return real(obj, directory, name)
+
+    monkeypatch.setattr(ck, "_write_atomic", crash_on_second_file)
+    with pytest.raises(CheckpointError, match=r"writing the shards failed on rank\(s\) \[0\].*No space"):
+        commopt.save_checkpoint(tmp_path / "ck", model, opt, step=5)
+    monkeypatch.setattr(ck, "_write_atomic", real)
+
+    # The half-written staging directory has no manifest and is refused; the old one loads.
+    with pytest.raises(CheckpointError, match="has no MANIFEST.json"):
+        commopt.load_checkpoint(tmp_path / "ck.tmp", None, opt)
+    fresh = _model(seed=3)
+    opt2 = commopt.OnebitAdam(fresh.parameters(), freeze_step=2)
+    assert commopt.load_checkpoint(tmp_path / "ck", fresh, opt2) == {"step": 3}
+    for a, b in zip(saved, _params(fresh), strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.fixture
+def saved(tmp_path):
+    model = _model()
+    opt = commopt.OnebitAdam(model.parameters(), freeze_step=2)
+    _train(model, opt, range(3))
+    commopt.save_checkpoint(tmp_path / "ck", model, opt)
+    return tmp_path / "ck"
+
+
+def _unchanged_after_refusal(path, model, opt, match):
+    before = _params(model)
+    state_before = {k: v.clone() for k, v in opt.state_dict()["state"].get(0, {}).items()}
+    with pytest.raises(CheckpointError, match=match):
+        commopt.load_checkpoint(path, model, opt)
+    for a, b in zip(before, _params(model), strict=True):
+        assert torch.equal(a, b)
+    for k, v in opt.state_dict()["state"].get(0, {}).items():
+        assert torch.equal(v, state_before[k])
+
+
+def test_refuses_another_optimizer_type(saved):
+    model = _model()
+    opt = torch.optim.Adam(model.parameters())
+    _unchanged_after_refusal(
+        saved, model, opt, r"saved by a commopt\.optim\.onebit_adam\.OnebitAdam optimizer and "
+        r"cannot be loaded into a torch\.optim\.adam\.Adam.*build a OnebitAdam"
+    )
+
+
+def test_refuses_truncated_shard(saved):
+    shard = saved / shard_name(0, 1)
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) // 2])
+    model = _model()
+    opt = commopt.OnebitAdam(model.parameters(), freeze_step=2)
+    _unchanged_after_refusal(
+        saved, model, opt, rf"rank-00000-of-00001\.pt .* is truncated: {len(data) // 2} bytes, "
+        rf"the manifest says {len(data)}"
+    )
+
+
+def test_refuses_corrupt_shared_file(saved):
+    shared = saved / SHARED_NAME
+    data = bytearray(shared.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shared.write_bytes(bytes(data))
+    model = _model()
+    opt = commopt.OnebitAdam(model.parameters(), freeze_step=2)
+    _unchanged_after_refusal(saved, model, opt, r"shared\.pt .* is corrupt: its SHA-256")
+
+
+def test_refuses_missing_manifest(saved):
+    os.remove(saved / MANIFEST_NAME)
+    model = _model()
+    opt = commopt.OnebitAdam(model.parameters(), freeze_step=2)
+    _unchanged_after_refusal(saved, model, opt, r"has no MANIFEST\.json: it is not a complete")
+
+
+def test_refuses_missing_directory(tmp_path):
+    opt = commopt.OnebitAdam(_model().parameters())
+    with pytest.raises(CheckpointError, match="no checkpoint directory at"):
+        commopt.load_checkpoint(tmp_path / "nothing", None, opt)
+
+
+def test_refuses_mismatched_parameter_shapes(saved):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Tanh(), torch.nn.Linear(4, 3))
+    opt = commopt.OnebitAdam(model.parameters(), freeze_step=2)
+    _unchanged_after_refusal(
+        saved, model, opt, r"param_groups\[0\]\['params'\]\[2\] has shape \(2, 4\) in the "
+        r"checkpoint .* but \(3, 4\) here"
+    )
+
+
+def test_refuses_mismatched_model(saved):
+    # Same optimizer parameters, but the model given has an extra buffer.
+    model = _model()
+    model.register_buffer("extra", torch.zeros(3))
+    opt = commopt.OnebitAdam(model.parameters(), freeze_step=2)
+    _unchanged_after_refusal(saved, model, opt, r"model state keys do not match.*missing \['extra'\]")
+
+
+def test_refuses_newer_format(saved):
+    manifest = json.loads((saved / MANIFEST_NAME).read_text())
+    manifest["format_version"] = 99
+    (saved / MANIFEST_NAME).write_text(json.dumps(manifest))
+    opt = commopt.OnebitAdam(_model().parameters(), freeze_step=2)
+    with pytest.raises(CheckpointError, match="format version 99, newer than"):
+        commopt.load_checkpoint(saved, None, opt)
+
+
+def test_plain_torch_optimizer_round_trip(tmp_path):
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _train(model, opt, range(3))
+    commopt.save_checkpoint(tmp_path / "ck", model, opt)
+    _train(model, opt, range(3, 6))
+    expected = _params(model)
+    fresh = _model(seed=5)
+    opt2 = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    commopt.load_checkpoint(tmp_path / "ck", fresh, opt2)
+    _train(fresh, opt2, range(3, 6))
+    for a, b in zip(expected, _params(fresh), strict=True):
+        assert torch.equal(a, b)
