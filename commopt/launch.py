@@ -122,7 +122,11 @@ def _mpi_bootstrap_store(info: LaunchInfo, timeout: datetime.timedelta) -> dist.
             addr = "127.0.0.1"
         else:
             addr = socket.gethostbyname(socket.gethostname())
-        store = dist.TCPStore(addr, 0, info.world_size, is_master=True, timeout=timeout)
+        # wait_for_workers=False: the others learn the port only from the bcast below, so a
+        # master that waited for them here would never get there.
+        store = dist.TCPStore(
+            addr, 0, info.world_size, is_master=True, timeout=timeout, wait_for_workers=False
+        )
         addr_port = comm.bcast((addr, store.port), root=0)
     else:
         addr, port = comm.bcast(None, root=0)
@@ -160,6 +164,12 @@ def init(
     info = discover_launch()
     if backend == "mpi":
         chosen: Backend = MpiBackend(cuda_aware=cuda_aware)
+        if chosen.world_size != info.world_size:
+            raise RuntimeError(
+                f"init('mpi'): MPI COMM_WORLD has {chosen.world_size} process(es) but the "
+                f"{info.launcher} launcher variables say {info.world_size}; start the job with "
+                "mpirun/mpiexec for backend='mpi', or use backend='torch' under torchrun"
+            )
         set_default_backend(chosen)
         return chosen
 

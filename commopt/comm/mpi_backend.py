@@ -1,11 +1,16 @@
 """MPI through mpi4py as a commopt backend.
 
-CPU tensors are handed to MPI as buffers without copies (mpi4py reads them through DLPack).
-CUDA tensors are staged through pinned host memory unless ``cuda_aware=True``, in which case the
-device pointer goes straight to MPI — only correct with a CUDA-aware MPI build, which commopt
-cannot verify for you. MPI has no bfloat16 or float16 reduction, so reductions of those dtypes
-run in float32 and are cast back; data movement (gather, all-to-all, broadcast) is bitwise and
-works for every dtype.
+CPU tensors are handed to MPI as they are, without copies: mpi4py reads a tensor's address, shape
+and dtype through DLPack, so MPI reads and writes the tensor's own storage. CUDA tensors are
+staged through (pageable) host memory unless ``cuda_aware=True``, in which case the device
+pointer goes straight to MPI — only correct with a CUDA-aware MPI build, which commopt cannot
+verify for you. MPI knows nothing of CUDA streams, so before a device buffer is handed over the
+current stream is synchronized (staging does the same through its blocking device-to-host copy).
+
+MPI has no bfloat16 or float16 reduction, so reductions of those dtypes run in float32 and are
+rounded back once; data movement (gather, all-to-all, broadcast) is bitwise and works for every
+dtype (half types travel as 16-bit integers, ``bool`` as bytes). ``bool`` reductions follow
+torch.distributed: ``"sum"`` and ``"max"`` are a logical OR, ``"min"`` a logical AND.
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ from commopt.comm.base import CommStats, ReduceOp, check_equal_split
 
 __all__ = ["MpiBackend"]
 
+_HALF = (torch.bfloat16, torch.float16)
+
 
 def _import_mpi() -> Any:
     try:
@@ -27,8 +34,41 @@ def _import_mpi() -> Any:
     return MPI
 
 
+def _stage_through_host(device: torch.device, cuda_aware: bool) -> bool:
+    """Whether a tensor on ``device`` must be copied to host memory before MPI may touch it.
+
+    CPU: never. CUDA: unless the MPI library is CUDA-aware. Anything else is refused.
+    """
+    if device.type == "cpu":
+        return False
+    if device.type == "cuda":
+        return not cuda_aware
+    raise ValueError(
+        f"MpiBackend: tensors on {device} are not supported; MPI takes CPU tensors, or CUDA "
+        "tensors (staged through host memory, or passed directly with cuda_aware=True)"
+    )
+
+
+def _wire(t: torch.Tensor) -> torch.Tensor:
+    """A view of ``t``'s storage with a dtype MPI can describe (a view: no bytes are copied).
+
+    Half types travel as 16-bit integers and ``bool`` as ``uint8`` — bitwise, no arithmetic.
+    """
+    if t.dtype in _HALF:
+        return t.view(torch.int16)
+    if t.dtype == torch.bool:
+        return t.view(torch.uint8)
+    return t
+
+
 class MpiBackend:
-    """Collectives through mpi4py on ``comm`` (default ``MPI.COMM_WORLD``)."""
+    """Collectives through mpi4py on ``comm`` (default ``MPI.COMM_WORLD``).
+
+    Args:
+        comm: an mpi4py intracommunicator; every rank of it must take part in every call.
+        cuda_aware: hand CUDA device pointers straight to MPI instead of staging through host
+            memory. Only set this when your MPI library is built with CUDA support.
+    """
 
     name = "mpi"
 
@@ -41,76 +81,87 @@ class MpiBackend:
         self.cuda_aware = cuda_aware
         self.stats = CommStats()
         self._reduce_ops = {"sum": MPI.SUM, "avg": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
+        # torch.distributed's convention for bool: sum/max = OR, min = AND (as 0/1 bytes).
+        self._bool_ops = {"sum": MPI.MAX, "max": MPI.MAX, "min": MPI.MIN}
 
     # -- buffers -------------------------------------------------------------------------------
-    def _host(self, t: torch.Tensor) -> torch.Tensor:
-        """The tensor MPI reads or writes: ``t`` itself on CPU or with CUDA-aware MPI."""
-        if t.device.type == "cpu" or self.cuda_aware:
-            return t
+    def _to_mpi(self, t: torch.Tensor) -> torch.Tensor:
+        """The tensor MPI reads: ``t`` itself (CPU, CUDA-aware) or a host copy of it (CUDA)."""
+        if _stage_through_host(t.device, self.cuda_aware):
+            # A blocking copy: waits for the device work that produces t.
+            return t.to("cpu")
         if t.device.type == "cuda":
-            # Stage through host memory; the device work producing t must finish first.
-            return t.to("cpu", non_blocking=False)
-        raise ValueError(f"MpiBackend: unsupported device {t.device}")
-
-    @staticmethod
-    def _buf(t: torch.Tensor) -> torch.Tensor:
-        """A view MPI can describe: half types travel as 16-bit integers (bitwise, no math)."""
-        if t.dtype in (torch.bfloat16, torch.float16):
-            return t.view(torch.int16)
-        if t.dtype == torch.bool:
-            return t.view(torch.uint8)
+            torch.cuda.current_stream(t.device).synchronize()
         return t
 
-    def _back(self, dst: torch.Tensor, host: torch.Tensor) -> None:
-        if host is not dst:
-            dst.copy_(host)
+    def _from_mpi(self, out: torch.Tensor) -> torch.Tensor:
+        """Where MPI writes a result meant for ``out``: ``out`` itself, or a host buffer."""
+        if _stage_through_host(out.device, self.cuda_aware):
+            return torch.empty(out.shape, dtype=out.dtype)
+        if out.device.type == "cuda":
+            torch.cuda.current_stream(out.device).synchronize()
+        return out
+
+    @staticmethod
+    def _check_contiguous(op: str, *tensors: torch.Tensor) -> None:
+        if not all(t.is_contiguous() for t in tensors):
+            raise ValueError(
+                f"{op}: MPI needs contiguous tensors; pass t.contiguous() and copy the result back"
+            )
 
     # -- collectives ---------------------------------------------------------------------------
     def all_reduce(self, t: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
         if op not in self._reduce_ops:
             raise ValueError(f"all_reduce: unknown op {op!r}; expected sum, avg, max or min")
+        if op == "avg" and not (t.is_floating_point() or t.is_complex()):
+            raise ValueError(
+                f"all_reduce: op='avg' needs a floating-point tensor, got {t.dtype}; "
+                "use op='sum' and divide by world_size yourself"
+            )
+        self._check_contiguous("all_reduce", t)
         self.stats.record("all_reduce", t.numel() * t.element_size(), self.world_size)
-        host = self._host(t)
-        work = host.float() if host.dtype in (torch.bfloat16, torch.float16) else host
-        if not work.is_contiguous():
-            raise ValueError("all_reduce: tensor must be contiguous")
-        self.comm.Allreduce(self._mpi.IN_PLACE, self._buf(work), op=self._reduce_ops[op])
+        host = self._to_mpi(t)
+        if host.dtype in _HALF:
+            work = host.float()  # no half-precision reductions in MPI: reduce in fp32
+        else:
+            work = host
+        mpi_op = self._bool_ops[op] if work.dtype == torch.bool else self._reduce_ops[op]
+        self.comm.Allreduce(self._mpi.IN_PLACE, _wire(work), op=mpi_op)
         if op == "avg":
             work.div_(self.world_size)
         if work is not host:
             host.copy_(work)
-        self._back(t, host)
+        if host is not t:
+            t.copy_(host)
         return t
 
     def all_gather(self, out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         check_equal_split("all_gather", out, t, self.world_size)
         self.stats.record("all_gather", t.numel() * t.element_size(), self.world_size)
-        host_out = self._host(out) if self.cuda_aware or out.device.type == "cpu" else None
-        if host_out is None:
-            host_out = torch.empty(out.shape, dtype=out.dtype)
-        self.comm.Allgather(self._buf(self._host(t)), self._buf(host_out))
-        self._back(out, host_out)
+        recv = self._from_mpi(out)
+        self.comm.Allgather(_wire(self._to_mpi(t)), _wire(recv))
+        if recv is not out:
+            out.copy_(recv)
         return out
 
     def all_to_all(self, out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         check_equal_split("all_to_all", out, t, self.world_size)
         self.stats.record("all_to_all", t.numel() * t.element_size(), self.world_size)
-        host_out = self._host(out) if self.cuda_aware or out.device.type == "cpu" else None
-        if host_out is None:
-            host_out = torch.empty(out.shape, dtype=out.dtype)
-        self.comm.Alltoall(self._buf(self._host(t)), self._buf(host_out))
-        self._back(out, host_out)
+        recv = self._from_mpi(out)
+        self.comm.Alltoall(_wire(self._to_mpi(t)), _wire(recv))
+        if recv is not out:
+            out.copy_(recv)
         return out
 
     def broadcast(self, t: torch.Tensor, src: int = 0) -> torch.Tensor:
         if not 0 <= src < self.world_size:
             raise ValueError(f"broadcast: src {src} out of range for world size {self.world_size}")
-        if not t.is_contiguous():
-            raise ValueError("broadcast: tensor must be contiguous")
+        self._check_contiguous("broadcast", t)
         self.stats.record("broadcast", t.numel() * t.element_size(), self.world_size)
-        host = self._host(t)
-        self.comm.Bcast(self._buf(host), root=src)
-        self._back(t, host)
+        host = self._to_mpi(t)
+        self.comm.Bcast(_wire(host), root=src)
+        if host is not t:
+            t.copy_(host)
         return t
 
     def barrier(self) -> None:
