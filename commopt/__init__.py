@@ -8,7 +8,7 @@ from commopt.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from commopt.comm import Backend, MixedBackend, MpiBackend, SingleProcessBackend, TorchBackend
 from commopt.compressed import NonFiniteError, compressed_allreduce, padded_size
 from commopt.launch import broadcast_parameters, discover_launch, init
-from commopt.optim import OnebitAdam
+from commopt.optim import OnebitAdam, OnebitLamb, ZeroOneAdam
 
 __version__ = "0.1.0"
 
@@ -19,8 +19,10 @@ __all__ = [
     "MpiBackend",
     "NonFiniteError",
     "OnebitAdam",
+    "OnebitLamb",
     "SingleProcessBackend",
     "TorchBackend",
+    "ZeroOneAdam",
     "broadcast_parameters",
     "compressed_allreduce",
     "discover_launch",

@@ -2,5 +2,7 @@
 
 from commopt.optim.base import CompressedOptimizer
 from commopt.optim.onebit_adam import OnebitAdam
+from commopt.optim.onebit_lamb import OnebitLamb
+from commopt.optim.zero_one_adam import ZeroOneAdam
 
-__all__ = ["CompressedOptimizer", "OnebitAdam"]
+__all__ = ["CompressedOptimizer", "OnebitAdam", "OnebitLamb", "ZeroOneAdam"]
