@@ -42,8 +42,16 @@ def _signed_scale(pos: torch.Tensor, s: torch.Tensor, out: torch.Tensor) -> torc
 
 
 def _rms(t: torch.Tensor) -> torch.Tensor:
-    """‖t‖₂ / √numel as a 1-element fp32 tensor."""
-    return (torch.linalg.vector_norm(t) / math.sqrt(t.numel())).reshape(1)
+    """‖t‖₂ / √numel as a 1-element fp32 tensor.
+
+    The fp32 sum of squares overflows once elements reach ≈1e19 although the result is far
+    below the fp32 range; then (only then) the norm is redone in float64, which keeps inf/NaN
+    input non-finite and gives a finite scale for every finite buffer.
+    """
+    rms = torch.linalg.vector_norm(t) / math.sqrt(t.numel())
+    if not bool(torch.isfinite(rms)):
+        rms = (torch.linalg.vector_norm(t, dtype=torch.float64) / math.sqrt(t.numel())).float()
+    return rms.reshape(1)
 
 
 class TorchKernels:
