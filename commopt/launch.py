@@ -60,7 +60,10 @@ def _int_var(env: Mapping[str, str], name: str) -> int:
     try:
         return int(value)
     except ValueError:
-        raise ValueError(f"{name} environment variable must be an integer, got: {value!r}") from None
+        raise ValueError(
+            f"{name} environment variable must be an integer, got {value!r}: fix or unset it "
+            "(it is normally set by torchrun or mpirun)"
+        ) from None
 
 
 def discover_launch(env: Mapping[str, str] | None = None) -> LaunchInfo:

@@ -169,4 +169,7 @@ class MpiBackend:
         self.comm.Barrier()
 
     def __repr__(self) -> str:
-        return f"MpiBackend(rank={self.rank}, world_size={self.world_size}, cuda_aware={self.cuda_aware})"
+        return (
+            f"MpiBackend(rank={self.rank}, world_size={self.world_size}, "
+            f"cuda_aware={self.cuda_aware})"
+        )
