@@ -429,7 +429,9 @@ def _check_shapes(manifest: Mapping[str, Any], model: Any, optimizer: Any, path:
     if model is None:
         return
     saved_m = manifest["model_shapes"]
-    have_m = {k: list(v.shape) for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
+    have_m = {
+        k: list(v.shape) for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)
+    }
     missing = sorted(set(have_m) - set(saved_m))
     unexpected = sorted(set(saved_m) - set(have_m))
     if missing or unexpected:

@@ -104,12 +104,14 @@ def test_crash_mid_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
         return real(obj, directory, name)
 
     monkeypatch.setattr(ck, "_write_atomic", crash_on_second_file)
-    with pytest.raises(CheckpointError, match=r"writing the shards failed on rank\(s\) \[0\].*No space"):
+    with pytest.raises(
+        CheckpointError, match=r"writing the shards failed on rank\(s\) \[0\].*No space"
+    ):
         commopt.save_checkpoint(tmp_path / "ck", model, opt, step=5)
     monkeypatch.setattr(ck, "_write_atomic", real)
 
     # The half-written staging directory has no manifest and is refused; the old one loads.
-    with pytest.raises(CheckpointError, match="has no MANIFEST.json"):
+    with pytest.raises(CheckpointError, match=r"has no MANIFEST\.json"):
         commopt.load_checkpoint(tmp_path / "ck.tmp", None, opt)
     fresh = _model(seed=3)
     opt2 = commopt.OnebitAdam(fresh.parameters(), freeze_step=2)
@@ -142,8 +144,11 @@ def test_refuses_another_optimizer_type(saved):
     model = _model()
     opt = torch.optim.Adam(model.parameters())
     _unchanged_after_refusal(
-        saved, model, opt, r"saved by a commopt\.optim\.onebit_adam\.OnebitAdam optimizer and "
-        r"cannot be loaded into a torch\.optim\.adam\.Adam.*build a OnebitAdam"
+        saved,
+        model,
+        opt,
+        r"saved by a commopt\.optim\.onebit_adam\.OnebitAdam optimizer and "
+        r"cannot be loaded into a torch\.optim\.adam\.Adam.*build a OnebitAdam",
     )
 
 
@@ -154,8 +159,11 @@ def test_refuses_truncated_shard(saved):
     model = _model()
     opt = commopt.OnebitAdam(model.parameters(), freeze_step=2)
     _unchanged_after_refusal(
-        saved, model, opt, rf"rank-00000-of-00001\.pt .* is truncated: {len(data) // 2} bytes, "
-        rf"the manifest says {len(data)}"
+        saved,
+        model,
+        opt,
+        rf"rank-00000-of-00001\.pt .* is truncated: {len(data) // 2} bytes, "
+        rf"the manifest says {len(data)}",
     )
 
 
@@ -187,8 +195,11 @@ def test_refuses_mismatched_parameter_shapes(saved):
     model = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Tanh(), torch.nn.Linear(4, 3))
     opt = commopt.OnebitAdam(model.parameters(), freeze_step=2)
     _unchanged_after_refusal(
-        saved, model, opt, r"param_groups\[0\]\['params'\]\[2\] has shape \(2, 4\) in the "
-        r"checkpoint .* but \(3, 4\) here"
+        saved,
+        model,
+        opt,
+        r"param_groups\[0\]\['params'\]\[2\] has shape \(2, 4\) in the "
+        r"checkpoint .* but \(3, 4\) here",
     )
 
 
@@ -197,7 +208,9 @@ def test_refuses_mismatched_model(saved):
     model = _model()
     model.register_buffer("extra", torch.zeros(3))
     opt = commopt.OnebitAdam(model.parameters(), freeze_step=2)
-    _unchanged_after_refusal(saved, model, opt, r"model state keys do not match.*missing \['extra'\]")
+    _unchanged_after_refusal(
+        saved, model, opt, r"model state keys do not match.*missing \['extra'\]"
+    )
 
 
 def test_refuses_newer_format(saved):

@@ -1,0 +1,187 @@
+"""Checkpoints across gloo ranks: bit-exact resume, per-rank state, world-size change policy."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import commopt
+from commopt.checkpoint import CheckpointError
+from tests.multirank.harness import run_ranks
+
+TIMEOUT = 180
+
+
+class _Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(6, 5)
+        self.b = torch.nn.Linear(5, 3)
+        # A buffer that differs between ranks, like BatchNorm statistics computed locally.
+        self.register_buffer("seen", torch.zeros(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.add_(x[:2, 0].detach())
+        return self.b(torch.tanh(self.a(x)))
+
+
+def _net(seed: int) -> _Net:
+    torch.manual_seed(seed)
+    return _Net()
+
+
+def _train(model, opt, rank: int, steps: range) -> None:
+    for t in steps:
+        g = torch.Generator().manual_seed(100 * t + rank)  # each rank its own data
+        x, y = torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+
+
+def _flat_params(model) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def _onebit_adam(params):
+    return commopt.OnebitAdam(params, lr=1e-2, freeze_step=3)
+
+
+FACTORIES = {"OnebitAdam": _onebit_adam}
+
+
+def _resume(backend, path: str, name: str, stop: int, total: int):
+    factory = FACTORIES[name]
+    rank = backend.rank
+    model = _net(0)
+    opt = factory(model.parameters())
+    _train(model, opt, rank, range(stop))
+    errors_nonzero = any(bool(b.abs().sum() > 0) for e in opt._errors for b in e.values())
+    commopt.save_checkpoint(path, model, opt, step=stop, rank_note=f"r{rank}")
+    _train(model, opt, rank, range(stop, total))
+    expected = _flat_params(model)
+    expected_seen = model.seen.clone()
+
+    fresh = _net(seed=7)
+    opt2 = factory(fresh.parameters())
+    extra = commopt.load_checkpoint(path, fresh, opt2)
+    _train(fresh, opt2, rank, range(extra["step"], total))
+
+    # Control: the same resume with the error buffers dropped must differ once they matter.
+    control = _net(seed=7)
+    opt3 = factory(control.parameters())
+    commopt.load_checkpoint(path, control, opt3)
+    opt3._layout()
+    opt3._reset_errors()
+    _train(control, opt3, rank, range(stop, total))
+
+    out = torch.empty(backend.world_size * expected.numel())
+    backend.all_gather(out, expected)
+    return {
+        "extra": extra,
+        "exact": torch.equal(expected, _flat_params(fresh)),
+        "seen_exact": torch.equal(expected_seen, fresh.seen),
+        "control_differs": not torch.equal(expected, _flat_params(control)),
+        "errors_nonzero": errors_nonzero,
+        "replicas": out.view(backend.world_size, -1),
+    }
+
+
+@pytest.mark.parametrize("name", sorted(FACTORIES))
+@pytest.mark.parametrize("stop", [2, 5], ids=["warmup", "compression"])
+def test_resume_bit_exact_two_ranks(tmp_path, name, stop):
+    results = run_ranks(_resume, 2, str(tmp_path / "ck"), name, stop, 8, timeout=TIMEOUT)
+    for rank, r in enumerate(results):
+        assert r["extra"] == {"step": stop, "rank_note": f"r{rank}"}
+        assert r["exact"], f"rank {rank}: resumed parameters differ from uninterrupted training"
+        assert r["seen_exact"], f"rank {rank}: its per-rank buffer was not restored"
+        assert torch.equal(r["replicas"][0], r["replicas"][1])
+        if stop > 3:  # compression phase: the error buffers were live and must be restored
+            assert r["errors_nonzero"]
+            assert r["control_differs"], "dropping the error buffers did not change anything"
+
+
+def _save_at(backend, path: str, stop: int):
+    model = _net(0)
+    opt = _onebit_adam(model.parameters())
+    _train(model, opt, backend.rank, range(stop))
+    commopt.save_checkpoint(path, model, opt, step=stop)
+    sd = opt.state_dict()
+    return {
+        "params": _flat_params(model),
+        "seen": model.seen.clone(),
+        "exp_avg_sq": torch.cat([s["exp_avg_sq"].reshape(-1) for s in sd["state"].values()]),
+        "step": opt.global_state["step"],
+    }
+
+
+def _load_elsewhere(backend, path: str):
+    model = _net(seed=9)
+    opt = _onebit_adam(model.parameters())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        extra = commopt.load_checkpoint(path, model, opt)
+    opt._layout()
+    errors_zero = all(bool((b == 0).all()) for e in opt._errors for b in e.values())
+    sd = opt.state_dict()
+    loaded = {
+        "params": _flat_params(model),
+        "seen": model.seen.clone(),
+        "exp_avg_sq": torch.cat([s["exp_avg_sq"].reshape(-1) for s in sd["state"].values()]),
+        "step": opt.global_state["step"],
+    }
+    _train(model, opt, backend.rank, range(extra["step"], extra["step"] + 2))
+    out = torch.empty(backend.world_size * loaded["params"].numel())
+    backend.all_gather(out, _flat_params(model))
+    return {
+        "warnings": [str(w.message) for w in caught],
+        "errors_zero": errors_zero,
+        "loaded": loaded,
+        "replicas": out.view(backend.world_size, -1),
+    }
+
+
+def test_resume_at_another_world_size(tmp_path):
+    path = str(tmp_path / "ck")
+    saved = run_ranks(_save_at, 2, path, 5, timeout=TIMEOUT)
+    assert not torch.equal(saved[0]["seen"], saved[1]["seen"])  # a genuinely per-rank tensor
+    results = run_ranks(_load_elsewhere, 3, path, timeout=TIMEOUT)
+    for r in results:
+        assert any(
+            "saved at world size 2 and is loaded at 3: the per-rank error buffers are reset to "
+            "zero, 1 tensor(s) that differed between ranks are taken from rank 0's shard" in w
+            for w in r["warnings"]
+        ), r["warnings"]
+        assert r["errors_zero"]
+        assert torch.equal(r["loaded"]["params"], saved[0]["params"])
+        assert torch.equal(r["loaded"]["exp_avg_sq"], saved[0]["exp_avg_sq"])
+        assert torch.equal(r["loaded"]["seen"], saved[0]["seen"])  # rank 0's copy everywhere
+        assert r["loaded"]["step"] == 5
+        assert all(torch.equal(r["replicas"][0], row) for row in r["replicas"])
+
+
+def _load_with_one_bad_rank(backend, path: str):
+    import commopt.checkpoint as ck
+
+    if backend.rank == 1:  # only rank 1 sees a damaged shard
+        real = ck._file_digest
+        ck._file_digest = lambda p: ("0" * 64, real(p)[1])
+    model = _net(seed=9)
+    opt = _onebit_adam(model.parameters())
+    before = _flat_params(model)
+    try:
+        commopt.load_checkpoint(path, model, opt)
+    except CheckpointError as err:
+        return {"message": str(err), "unchanged": torch.equal(before, _flat_params(model))}
+    return {"message": None}
+
+
+def test_a_failure_on_one_rank_is_raised_on_every_rank(tmp_path):
+    path = str(tmp_path / "ck")
+    run_ranks(_save_at, 2, path, 2, timeout=TIMEOUT)
+    results = run_ranks(_load_with_one_bad_rank, 2, path, timeout=TIMEOUT)
+    assert "failed on rank(s) [1]" in results[0]["message"]
+    assert "is corrupt" in results[1]["message"]
+    assert results[0]["unchanged"] and results[1]["unchanged"]
