@@ -7,6 +7,7 @@ gradient communication, on torch.distributed (NCCL/gloo) or MPI.
 from commopt.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from commopt.comm import Backend, MixedBackend, MpiBackend, SingleProcessBackend, TorchBackend
 from commopt.compressed import NonFiniteError, compressed_allreduce, padded_size
+from commopt.deepspeed_compat import from_deepspeed_config, to_deepspeed_config
 from commopt.launch import broadcast_parameters, discover_launch, init
 from commopt.optim import OnebitAdam, OnebitLamb, ZeroOneAdam
 
@@ -26,8 +27,10 @@ __all__ = [
     "broadcast_parameters",
     "compressed_allreduce",
     "discover_launch",
+    "from_deepspeed_config",
     "init",
     "load_checkpoint",
     "padded_size",
     "save_checkpoint",
+    "to_deepspeed_config",
 ]
