@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The README's first command. Installs what it needs into .venv (scripts/setup_env.sh), then runs
+# a real 4-rank data-parallel job under mpiexec — four processes, gloo over loopback, bootstrapped
+# by commopt.init() over MPI — that trains a byte-level language model on the Python standard
+# library's sources with uncompressed Adam and with 1-bit Adam, and prints the comparison table.
+#
+#   bash scripts/demo.sh                       # defaults: 300 steps, 75 of them warmup
+#   bash scripts/demo.sh --steps 600 --warmup 150
+#   bash scripts/demo.sh --optimizers Adam,OnebitAdam
+#
+# Arguments go to experiments/demo/train_bytelm.py (see --help there). DEMO_RANKS (default 4)
+# and DEMO_TIMEOUT (seconds, default 900) adjust the job; a job that hangs is killed, never
+# waited on.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+echo "== installing commopt and its dependencies into .venv (scripts/setup_env.sh)"
+t0=$SECONDS
+bash scripts/setup_env.sh
+echo "   done in $((SECONDS - t0)) s"
+. .venv/bin/activate
+. scripts/mpi_env.sh
+echo "== mpiexec -n ${DEMO_RANKS:-4}: one process per rank, $(nproc) CPU core(s) shared"
+timeout "${DEMO_TIMEOUT:-900}" mpiexec -n "${DEMO_RANKS:-4}" \
+  python experiments/demo/train_bytelm.py "$@"
+echo "== demo finished in $((SECONDS - t0)) s (setup included)"
