@@ -49,7 +49,35 @@ def _onebit_adam(params):
     return commopt.OnebitAdam(params, lr=1e-2, freeze_step=3)
 
 
-FACTORIES = {"OnebitAdam": _onebit_adam}
+def _onebit_lamb(params):
+    return commopt.OnebitLamb(params, lr=1e-2, freeze_step=3)
+
+
+def _zero_one_adam(params):
+    # Variance steps 1, 2, 4 (3, 5, 6, 7 send a compressed gradient); phase B from step 8 with
+    # syncs at 8, 9, 10, 12, 16 (the interval doubles every 2 phase-B steps, up to 4).
+    return commopt.ZeroOneAdam(
+        params,
+        lr=1e-2,
+        var_freeze_step=7,
+        var_update_scaler=1,
+        local_step_scaler=2,
+        local_step_clipper=4,
+    )
+
+
+FACTORIES = {"OnebitAdam": _onebit_adam, "OnebitLamb": _onebit_lamb, "ZeroOneAdam": _zero_one_adam}
+# (optimizer, step to save at, phase), with the errors live whenever the phase compresses; every
+# run continues to step 8 (16 for 0/1 Adam, a sync step, so the replicas agree at the end).
+CASES = [
+    ("OnebitAdam", 2, "warmup"),
+    ("OnebitAdam", 5, "compression"),
+    ("OnebitLamb", 2, "warmup"),
+    ("OnebitLamb", 5, "compression"),
+    ("ZeroOneAdam", 3, "phase A, after a compressed step"),
+    ("ZeroOneAdam", 14, "phase B, between two syncs"),
+]
+TOTAL = {"OnebitAdam": 8, "OnebitLamb": 8, "ZeroOneAdam": 16}
 
 
 def _resume(backend, path: str, name: str, stop: int, total: int):
@@ -89,16 +117,16 @@ def _resume(backend, path: str, name: str, stop: int, total: int):
     }
 
 
-@pytest.mark.parametrize("name", sorted(FACTORIES))
-@pytest.mark.parametrize("stop", [2, 5], ids=["warmup", "compression"])
-def test_resume_bit_exact_two_ranks(tmp_path, name, stop):
-    results = run_ranks(_resume, 2, str(tmp_path / "ck"), name, stop, 8, timeout=TIMEOUT)
+@pytest.mark.parametrize(("name", "stop", "phase"), CASES, ids=[f"{c[0]}-{c[2]}" for c in CASES])
+def test_resume_bit_exact_two_ranks(tmp_path, name, stop, phase):
+    total = TOTAL[name]
+    results = run_ranks(_resume, 2, str(tmp_path / "ck"), name, stop, total, timeout=TIMEOUT)
     for rank, r in enumerate(results):
         assert r["extra"] == {"step": stop, "rank_note": f"r{rank}"}
         assert r["exact"], f"rank {rank}: resumed parameters differ from uninterrupted training"
         assert r["seen_exact"], f"rank {rank}: its per-rank buffer was not restored"
         assert torch.equal(r["replicas"][0], r["replicas"][1])
-        if stop > 3:  # compression phase: the error buffers were live and must be restored
+        if phase != "warmup":  # the error buffers were live and must be restored
             assert r["errors_nonzero"]
             assert r["control_differs"], "dropping the error buffers did not change anything"
 
