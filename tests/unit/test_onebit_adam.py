@@ -1,0 +1,307 @@
+"""OnebitAdam in one process: torch.optim equivalence, an independent reference across the
+freeze boundary, masks, skipped steps, argument errors (SPEC §2)."""
+
+from __future__ import annotations
+
+import copy
+import io
+import math
+import warnings
+
+import pytest
+import torch
+
+from commopt import OnebitAdam
+
+TOL = 1e-6
+
+
+def make_model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Linear(6, 9),
+        torch.nn.Tanh(),
+        torch.nn.Linear(9, 4),
+        torch.nn.Tanh(),
+        torch.nn.Linear(4, 1),
+    )
+
+
+DATA_X = torch.randn(64, 6, generator=torch.Generator().manual_seed(1))
+DATA_Y = torch.randn(64, 1, generator=torch.Generator().manual_seed(2))
+
+
+def loss_of(model: torch.nn.Module, batch: int = 0) -> torch.Tensor:
+    sl = slice(16 * (batch % 4), 16 * (batch % 4) + 16)
+    return ((model(DATA_X[sl]) - DATA_Y[sl]) ** 2).mean()
+
+
+def train(model, opt, steps: int, start: int = 0) -> None:
+    for k in range(start, start + steps):
+        opt.zero_grad()
+        loss_of(model, k).backward()
+        opt.step()
+
+
+def groups_of(model: torch.nn.Module, spec: list[dict]) -> list[dict]:
+    """Split the model's parameters into len(spec) groups in order, with the given options."""
+    params = list(model.parameters())
+    per = math.ceil(len(params) / len(spec))
+    return [{"params": params[i * per : (i + 1) * per], **opts} for i, opts in enumerate(spec)]
+
+
+GROUPS = [
+    {"lr": 3e-3, "betas": (0.9, 0.999), "weight_decay": 0.1},
+    {"lr": 1e-2, "betas": (0.8, 0.99), "weight_decay": 0.0},
+    {"lr": 5e-3, "betas": (0.95, 0.9), "weight_decay": 0.02},
+]
+
+
+def assert_close(model_a, model_b, tol=TOL):
+    for (name, a), b in zip(model_a.named_parameters(), model_b.parameters(), strict=True):
+        err = (a - b).abs().max().item()
+        assert err <= tol, f"{name}: max difference {err}"
+
+
+# -- equivalence with torch.optim ---------------------------------------------------------------
+def test_warmup_matches_adamw_with_several_groups():
+    ours, theirs = make_model(), make_model()
+    opt = OnebitAdam(groups_of(ours, GROUPS), eps=1e-7, freeze_step=1000)
+    ref = torch.optim.AdamW(groups_of(theirs, GROUPS), eps=1e-7)
+    for k in range(40):
+        for model, o in ((ours, opt), (theirs, ref)):
+            o.zero_grad()
+            loss_of(model, k).backward()
+            o.step()
+    assert_close(ours, theirs)
+    # The state looks like torch's: per-parameter exp_avg / exp_avg_sq.
+    for p_ours, p_ref in zip(ours.parameters(), theirs.parameters(), strict=True):
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert (opt.state[p_ours][key] - ref.state[p_ref][key]).abs().max() <= TOL
+
+
+def test_warmup_without_weight_decay_matches_adam():
+    ours, theirs = make_model(3), make_model(3)
+    opt = OnebitAdam(ours.parameters(), lr=1e-2, betas=(0.85, 0.995), freeze_step=1000)
+    ref = torch.optim.Adam(theirs.parameters(), lr=1e-2, betas=(0.85, 0.995))
+    train(ours, opt, 40)
+    train(theirs, ref, 40)
+    assert_close(ours, theirs)
+
+
+# -- an independent reference for the whole algorithm at n = 1 -----------------------------------
+def reference_run(model, groups_spec, steps, freeze_step, bias_correction, eps=1e-8, masks=None):
+    """SPEC §2 at n = 1 in float64: warmup Adam, then frozen v; masks[i] (per parameter)
+    multiplies parameter i's momentum after the freeze."""
+    params = [p.detach().double().clone() for p in model.parameters()]
+    owner = []
+    per = math.ceil(len(params) / len(groups_spec))
+    for i in range(len(params)):
+        owner.append(i // per)
+    m = [torch.zeros_like(p) for p in params]
+    v = [torch.zeros_like(p) for p in params]
+    work = copy.deepcopy(model)
+    for t in range(1, steps + 1):
+        with torch.no_grad():
+            for w, p in zip(work.parameters(), params, strict=True):
+                w.copy_(p)
+        work.zero_grad()
+        loss_of(work, t - 1).backward()
+        for i, w in enumerate(work.parameters()):
+            g = w.grad.double()
+            opts = groups_spec[owner[i]]
+            b1, b2 = opts["betas"]
+            lr, wd = opts["lr"], opts["weight_decay"]
+            m[i] = b1 * m[i] + (1 - b1) * g
+            if t <= freeze_step:
+                v[i] = b2 * v[i] + (1 - b2) * g * g
+            elif masks is not None and masks[i] is not None:
+                m[i] = m[i] * masks[i]
+            tv = min(t, freeze_step)
+            m_hat = m[i] / (1 - b1**t) if bias_correction else m[i]
+            v_hat = v[i] / (1 - b2**tv) if bias_correction else v[i]
+            params[i] = params[i] - lr * (m_hat / (v_hat.sqrt() + eps) + wd * params[i])
+    return params, m, v
+
+
+@pytest.mark.parametrize("bias_correction", [True, False])
+def test_matches_reference_across_the_freeze_boundary(bias_correction):
+    model = make_model(5)
+    steps, freeze = 30, 12
+    expected, m_ref, v_ref = reference_run(model, GROUPS, steps, freeze, bias_correction)
+    opt = OnebitAdam(groups_of(model, GROUPS), freeze_step=freeze, bias_correction=bias_correction)
+    train(model, opt, steps)
+    for i, (p, q) in enumerate(zip(model.parameters(), expected, strict=True)):
+        assert (p.double() - q).abs().max() <= TOL, f"parameter {i}"
+        assert (opt.state[p]["exp_avg"].double() - m_ref[i]).abs().max() <= TOL
+        assert (opt.state[p]["exp_avg_sq"].double() - v_ref[i]).abs().max() <= TOL
+
+
+def test_variance_is_frozen_after_freeze_step():
+    model = make_model()
+    opt = OnebitAdam(model.parameters(), lr=1e-2, freeze_step=5)
+    train(model, opt, 5)
+    frozen = [opt.state[p]["exp_avg_sq"].clone() for p in model.parameters()]
+    moments = [opt.state[p]["exp_avg"].clone() for p in model.parameters()]
+    train(model, opt, 5, start=5)
+    for p, v, m in zip(model.parameters(), frozen, moments, strict=True):
+        assert torch.equal(opt.state[p]["exp_avg_sq"], v)
+        assert not torch.equal(opt.state[p]["exp_avg"], m)
+
+
+def test_exp_avg_mask_keeps_masked_momentum_at_zero():
+    model = make_model(7)
+    first = model[0].weight  # 9 x 6
+    mask = torch.ones(9, 6)
+    mask[2] = 0
+    mask[:, 4] = 0
+    spec = [{"lr": 1e-2, "betas": (0.9, 0.999), "weight_decay": 0.0}]
+    masks = [mask if p is first else None for p in model.parameters()]
+    expected, _, _ = reference_run(model, spec, 20, 8, True, masks=masks)
+    groups = [
+        {"params": [first], "exp_avg_mask": mask},
+        {"params": [p for p in model.parameters() if p is not first]},
+    ]
+    opt = OnebitAdam(groups, lr=1e-2, freeze_step=8)
+    train(model, opt, 8)
+    assert opt.state[first]["exp_avg"][mask == 0].abs().sum() > 0, "warmup momentum is not masked"
+    for k in range(8, 20):
+        train(model, opt, 1, start=k)
+        assert torch.count_nonzero(opt.state[first]["exp_avg"][mask == 0]) == 0, f"step {k + 1}"
+        assert torch.count_nonzero(opt.state[first]["exp_avg"][mask == 1]) > 0
+    for i, p in enumerate(model.parameters()):
+        assert (p.double() - expected[i]).abs().max() <= TOL, f"parameter {i}"
+
+
+def test_mask_errors():
+    w = torch.nn.Parameter(torch.zeros(3, 4))
+    with pytest.raises(ValueError, match=r"exp_avg_mask of shape \(5,\) does not broadcast"):
+        OnebitAdam([{"params": [w], "exp_avg_mask": torch.ones(5)}])
+    with pytest.raises(TypeError, match="exp_avg_mask must be a tensor, got list"):
+        OnebitAdam([{"params": [w], "exp_avg_mask": [1, 0, 1, 1]}])
+    OnebitAdam([{"params": [w], "exp_avg_mask": torch.ones(4)}])  # broadcasts: fine
+
+
+def test_several_buckets_give_the_same_result_as_one():
+    """Bucket boundaries (here inside and across param groups) do not change any number."""
+    a, b = make_model(9), make_model(9)
+    opt_a = OnebitAdam(groups_of(a, GROUPS), freeze_step=6)
+    opt_b = OnebitAdam(groups_of(b, GROUPS), freeze_step=6)
+    opt_b._bucket_numel = 20  # many small buckets
+    train(a, opt_a, 12)
+    train(b, opt_b, 12)
+    assert len(opt_b._buckets) > 3 and len(opt_a._buckets) == 1
+    for p, q in zip(a.parameters(), b.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
+def test_closure_and_missing_gradients():
+    model = make_model()
+    unused = torch.nn.Parameter(torch.ones(3))
+    opt = OnebitAdam([*model.parameters(), unused], lr=1e-2, freeze_step=2)
+
+    def closure():
+        opt.zero_grad()
+        loss = loss_of(model)
+        loss.backward()
+        return loss
+
+    losses = [opt.step(closure).item() for _ in range(6)]
+    assert losses[-1] < losses[0]
+    assert torch.equal(unused, torch.ones(3)), "a parameter without gradient is not moved"
+    assert opt.comm_stats()["bytes_sent"] == 0 and opt.comm_stats()["compressed_rounds"] == 0
+
+
+# -- skipped steps ------------------------------------------------------------------------------
+@pytest.mark.parametrize("skip_at", [3, 9])  # inside warmup, inside compression
+def test_non_finite_gradient_skips_the_step(skip_at):
+    a, b = make_model(11), make_model(11)
+    opt_a = OnebitAdam(a.parameters(), lr=1e-2, freeze_step=5)
+    opt_b = OnebitAdam(b.parameters(), lr=1e-2, freeze_step=5)
+    train(a, opt_a, skip_at - 1)
+    train(b, opt_b, skip_at - 1)
+    before = [p.clone() for p in b.parameters()]
+    state_before = {k: v.clone() for p in b.parameters() for k, v in opt_b.state[p].items()}
+    opt_b.zero_grad()
+    loss_of(b).backward()
+    next(b.parameters()).grad[0, 0] = float("nan")
+    with pytest.warns(UserWarning, match=rf"non-finite gradient .* at step {skip_at}; .*skipped"):
+        opt_b.step()
+    for p, q in zip(b.parameters(), before, strict=True):
+        assert torch.equal(p, q)
+    state_after = {k: v for p in b.parameters() for k, v in opt_b.state[p].items()}
+    assert all(torch.equal(state_after[k], v) for k, v in state_before.items())
+    assert opt_b.global_state == {"step": skip_at - 1, "skipped_steps": 1}
+    # The skipped step never happened: both runs continue identically.
+    train(a, opt_a, 4, start=skip_at - 1)
+    train(b, opt_b, 4, start=skip_at - 1)
+    for p, q in zip(a.parameters(), b.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
+def test_sparse_gradient_is_rejected():
+    emb = torch.nn.Embedding(10, 3, sparse=True)
+    opt = OnebitAdam(emb.parameters(), freeze_step=2)
+    emb(torch.tensor([1, 2])).sum().backward()
+    with pytest.raises(RuntimeError, match=r"does not support sparse gradients .*sparse=False"):
+        opt.step()
+
+
+# -- state_dict -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("save_at", [4, 10])
+def test_state_dict_round_trip_single_process(save_at):
+    model = make_model(13)
+    opt = OnebitAdam(groups_of(model, GROUPS), freeze_step=6)
+    train(model, opt, save_at)
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
+    buf.seek(0)
+    saved = torch.load(buf)
+    clone = make_model(99)
+    clone.load_state_dict(saved["model"])
+    opt2 = OnebitAdam(groups_of(clone, [{}, {}, {}]), freeze_step=6)
+    opt2.load_state_dict(saved["opt"])
+    assert opt2.global_state["step"] == save_at
+    assert [g["lr"] for g in opt2.param_groups] == [g["lr"] for g in GROUPS]
+    for k in range(save_at, save_at + 6):
+        train(model, opt, 1, start=k)
+        train(clone, opt2, 1, start=k)
+        for p, q in zip(model.parameters(), clone.parameters(), strict=True):
+            assert torch.equal(p, q), f"step {k + 1}"
+
+
+# -- argument errors ------------------------------------------------------------------------------
+def test_freeze_step_zero_says_why():
+    w = [torch.nn.Parameter(torch.zeros(2))]
+    with pytest.raises(ValueError, match=r"freeze_step: 0 .*variance has to be estimated before"):
+        OnebitAdam(w, freeze_step=0)
+    with pytest.raises(ValueError, match="freeze_step: -3"):
+        OnebitAdam(w, freeze_step=-3)
+    with pytest.raises(TypeError, match=r"freeze_step: 2\.5 .*must be an int"):
+        OnebitAdam(w, freeze_step=2.5)
+    with pytest.raises(TypeError, match="freeze_step: True"):
+        OnebitAdam(w, freeze_step=True)
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"lr": -1e-3}, r"Invalid learning rate: -0\.001"),
+        ({"lr": float("nan")}, "Invalid learning rate: nan"),
+        ({"eps": -1.0}, "Invalid epsilon value"),
+        ({"weight_decay": -0.1}, "Invalid weight_decay value"),
+        ({"betas": (1.0, 0.999)}, r"Invalid beta parameter at index 0: 1\.0"),
+        ({"betas": (0.9, -0.1)}, r"Invalid beta parameter at index 1: -0\.1"),
+    ],
+)
+def test_invalid_hyperparameters(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        OnebitAdam([torch.nn.Parameter(torch.zeros(2))], **kwargs)
+
+
+def test_warning_free_normal_run():
+    model = make_model()
+    opt = OnebitAdam(model.parameters(), freeze_step=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        train(model, opt, 4)
