@@ -119,8 +119,8 @@ class MpiBackend:
                 "use op='sum' and divide by world_size yourself"
             )
         self._check_contiguous("all_reduce", t)
-        self.stats.record("all_reduce", t.numel() * t.element_size(), self.world_size)
         host = self._to_mpi(t)
+        self.stats.record("all_reduce", t.numel() * t.element_size(), self.world_size)
         if host.dtype in _HALF:
             work = host.float()  # no half-precision reductions in MPI: reduce in fp32
         else:
@@ -137,18 +137,18 @@ class MpiBackend:
 
     def all_gather(self, out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         check_equal_split("all_gather", out, t, self.world_size)
+        send, recv = self._to_mpi(t), self._from_mpi(out)
         self.stats.record("all_gather", t.numel() * t.element_size(), self.world_size)
-        recv = self._from_mpi(out)
-        self.comm.Allgather(_wire(self._to_mpi(t)), _wire(recv))
+        self.comm.Allgather(_wire(send), _wire(recv))
         if recv is not out:
             out.copy_(recv)
         return out
 
     def all_to_all(self, out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         check_equal_split("all_to_all", out, t, self.world_size)
+        send, recv = self._to_mpi(t), self._from_mpi(out)
         self.stats.record("all_to_all", t.numel() * t.element_size(), self.world_size)
-        recv = self._from_mpi(out)
-        self.comm.Alltoall(_wire(self._to_mpi(t)), _wire(recv))
+        self.comm.Alltoall(_wire(send), _wire(recv))
         if recv is not out:
             out.copy_(recv)
         return out
@@ -157,8 +157,8 @@ class MpiBackend:
         if not 0 <= src < self.world_size:
             raise ValueError(f"broadcast: src {src} out of range for world size {self.world_size}")
         self._check_contiguous("broadcast", t)
-        self.stats.record("broadcast", t.numel() * t.element_size(), self.world_size)
         host = self._to_mpi(t)
+        self.stats.record("broadcast", t.numel() * t.element_size(), self.world_size)
         self.comm.Bcast(_wire(host), root=src)
         if host is not t:
             t.copy_(host)
