@@ -11,11 +11,21 @@ A kernel set implements four functions (SPEC §1; N padded length, M = N/n the s
 
 Every elementwise result is one correctly rounded fp32 operation, so implementations agree bit
 for bit; only the two norms may differ by reduction order.
+
+Implementations (SPEC §6), picked by :func:`get_kernels`:
+
+- :class:`TorchKernels` — the reference, any device; the fallback.
+- ``NumbaKernels`` (:mod:`commopt.kernels.numba_kernels`) — fused CPU loops, when numba is
+  installed (the ``fast`` extra).
+- ``CupyKernels`` (:mod:`commopt.kernels.cupy_kernels`) — the CUDA C kernels of the top-level
+  ``cuda/`` folder compiled by CuPy, for CUDA tensors when CuPy is installed (the ``cuda`` extra).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import logging
 from collections.abc import Iterator
 from typing import Protocol
 
@@ -23,34 +33,79 @@ import torch
 
 from commopt.kernels.torch_kernels import TorchKernels
 
-__all__ = ["Kernels", "TorchKernels", "get_kernels", "use_kernels"]
+__all__ = ["Kernels", "TorchKernels", "available_kernels", "get_kernels", "use_kernels"]
+
+_log = logging.getLogger(__name__)
 
 
 class Kernels(Protocol):
     name: str
 
-    def compensate(self, x: torch.Tensor, worker_error: torch.Tensor, c: torch.Tensor) -> torch.Tensor: ...
+    def compensate(
+        self, x: torch.Tensor, worker_error: torch.Tensor, c: torch.Tensor
+    ) -> torch.Tensor: ...
 
     def pack_worker_(
         self, c: torch.Tensor, s: torch.Tensor, worker_error: torch.Tensor, bits: torch.Tensor
     ) -> None: ...
 
     def server_reduce_(
-        self, recv_bits: torch.Tensor, scales: torch.Tensor, server_error: torch.Tensor, bits: torch.Tensor
+        self,
+        recv_bits: torch.Tensor,
+        scales: torch.Tensor,
+        server_error: torch.Tensor,
+        bits: torch.Tensor,
     ) -> torch.Tensor: ...
 
-    def unpack_scaled_(self, bits: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> None: ...
+    def unpack_scaled_(
+        self, bits: torch.Tensor, scales: torch.Tensor, out: torch.Tensor
+    ) -> None: ...
 
 
 _override: Kernels | None = None
 _torch_kernels = TorchKernels()
 
 
-def get_kernels(device: torch.device) -> Kernels:
-    """The kernel set for tensors on ``device``, unless :func:`use_kernels` overrides it."""
+@functools.cache
+def _cpu_fast() -> Kernels | None:
+    """NumbaKernels, or None when numba cannot be imported (logged once)."""
+    try:
+        from commopt.kernels.numba_kernels import NumbaKernels
+    except ImportError as exc:
+        _log.info("commopt: numba unavailable (%s); CPU kernels fall back to TorchKernels", exc)
+        return None
+    return NumbaKernels()
+
+
+@functools.cache
+def _cuda_fast() -> Kernels | None:
+    """CupyKernels, or None when CuPy cannot be imported (logged once)."""
+    try:
+        from commopt.kernels.cupy_kernels import CupyKernels
+    except ImportError as exc:
+        _log.info("commopt: CuPy unavailable (%s); CUDA kernels fall back to TorchKernels", exc)
+        return None
+    return CupyKernels()
+
+
+def get_kernels(device: torch.device | str) -> Kernels:
+    """The kernel set for tensors on ``device``, unless :func:`use_kernels` overrides it.
+
+    CUDA → CuPy kernels when CuPy is importable; CPU → the numba kernels when numba is
+    importable; anything else, or either library missing → :class:`TorchKernels`.
+    """
     if _override is not None:
         return _override
-    return _torch_kernels
+    kind = torch.device(device).type
+    fast = _cuda_fast() if kind == "cuda" else _cpu_fast() if kind == "cpu" else None
+    return fast if fast is not None else _torch_kernels
+
+
+def available_kernels(device: torch.device | str) -> list[Kernels]:
+    """Every kernel set usable on ``device``, the one :func:`get_kernels` prefers first."""
+    kind = torch.device(device).type
+    fast = _cuda_fast() if kind == "cuda" else _cpu_fast() if kind == "cpu" else None
+    return [fast, _torch_kernels] if fast is not None else [_torch_kernels]
 
 
 @contextlib.contextmanager

@@ -1,0 +1,210 @@
+r"""The per-element work of the compressed allreduce on CUDA: CuPy-compiled kernels from ``cuda/``.
+
+The CUDA C sources live in the repository's top-level ``cuda/`` folder (``worker.cu``,
+``server.cu``, ``unpack.cu``) and ship inside the wheel as ``commopt/cuda/*.cu``; CuPy's
+``RawModule`` compiles them with NVRTC on first use (and caches the binary on disk). Each
+:class:`CupyKernels` call is a handful of kernel launches:
+
+- ``compensate``: one fused pass c = pad(x) + e with per-block fp64 partial sums of c², then one
+  single-block kernel that reduces the partials in a fixed order to s = √(Σc²)/√N.
+- ``pack_worker_``: one pass; a warp ballot packs 32 signs into 4 bytes, MSB first, while each
+  thread writes e ← c − s·sgn(c). s is read on the device: no host round trip.
+- ``server_reduce_``: one pass from the n received bit rows straight to c_s = a/n + f (stored in
+  f) with partial sums, the same reduction to t, then the worker's pack kernel in place on f.
+- ``unpack_scaled_``: one pass y = t_j·sgn(bit) into the output buffer.
+
+Tensors go to CuPy through DLPack (zero copy) and every kernel is launched on torch's current
+stream of the tensor's device (``cupy.cuda.ExternalStream``), so the work is ordered with the
+surrounding torch operations and nothing synchronises the device. Results are bit-identical to
+the CPU kernels given the same scales (explicit round-to-nearest fp32 intrinsics, no FMA
+contraction); s and t are reduced in fp64 and agree with the CPU path's to an ulp.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import cupy
+import numpy as np
+import torch
+
+from commopt.kernels.cuda_sources import cuda_source
+from commopt.kernels.torch_kernels import TorchKernels
+
+__all__ = ["CupyKernels"]
+
+# Threads per block; the reducing kernels are written for exactly this (COMMOPT_THREADS).
+_THREADS = 256
+# At most this many blocks for a reduction: a fixed cap (not derived from the device), so the
+# fp64 partial sums, and thus s and t, are the same on every GPU for the same input.
+_MAX_BLOCKS = 4096
+_MAX_GRID_Y = 65535
+
+
+@functools.cache
+def _module(name: str, device_index: int) -> cupy.RawModule:
+    """The compiled module for one source on one device (compiled once per process)."""
+    with cupy.cuda.Device(device_index):
+        module = cupy.RawModule(code=cuda_source(name))
+        module.compile()
+    return module
+
+
+def _blocks(work: int) -> int:
+    return max(1, min(_MAX_BLOCKS, -(-work // _THREADS)))
+
+
+class _Launch:
+    """Device + stream context for one call: torch's current stream on the tensor's device."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.index = (
+            tensor.device.index if tensor.device.index is not None else torch.cuda.current_device()
+        )
+        self.device = cupy.cuda.Device(self.index)
+        self.stream = cupy.cuda.ExternalStream(
+            torch.cuda.current_stream(tensor.device).cuda_stream, self.index
+        )
+
+    def __enter__(self) -> _Launch:
+        self.device.__enter__()
+        self.stream.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stream.__exit__(*exc)
+        self.device.__exit__(*exc)
+
+    def kernel(self, source: str, name: str):
+        return _module(source, self.index).get_function(name)
+
+
+def _cp(t: torch.Tensor) -> cupy.ndarray:
+    """Zero-copy CuPy view of a CUDA tensor (inside a _Launch, so on torch's stream)."""
+    return cupy.from_dlpack(t.detach())
+
+
+def _plain(*tensors: torch.Tensor) -> bool:
+    return all(t.is_cuda and t.is_contiguous() for t in tensors)
+
+
+class CupyKernels:
+    r"""CUDA kernels for SPEC §1 steps 1–4, 6–7, 9, bit-identical to the CPU kernels.
+
+    Tensors that are not contiguous CUDA tensors of the expected dtypes go to
+    :class:`TorchKernels` instead, so every call is answered.
+    """
+
+    name = "cupy"
+
+    def __init__(self) -> None:
+        self._reference = TorchKernels()
+
+    def _rms(
+        self, launch: _Launch, partial: torch.Tensor, blocks: int, numel: int, out: torch.Tensor
+    ) -> None:
+        launch.kernel("worker.cu", "commopt_finish_rms")(
+            (1,), (_THREADS,), (_cp(partial), np.int32(blocks), np.int64(numel), _cp(out))
+        )
+
+    def compensate(
+        self, x: torch.Tensor, worker_error: torch.Tensor, c: torch.Tensor
+    ) -> torch.Tensor:
+        r"""Steps 1–2: c = pad(x) + e; return s = ‖c‖₂/√N (1-element fp32 tensor, on the device)."""
+        if not (
+            _plain(x, worker_error, c) and x.dtype == worker_error.dtype == c.dtype == torch.float32
+        ):
+            return self._reference.compensate(x, worker_error, c)
+        n = c.numel()
+        blocks = _blocks(n)
+        partial = torch.empty(blocks, dtype=torch.float64, device=c.device)
+        s = torch.empty(1, dtype=torch.float32, device=c.device)
+        with _Launch(c) as launch:
+            launch.kernel("worker.cu", "commopt_compensate")(
+                (blocks,),
+                (_THREADS,),
+                (_cp(x), np.int64(x.numel()), _cp(worker_error), _cp(c), np.int64(n), _cp(partial)),
+            )
+            self._rms(launch, partial, blocks, n, s)
+        return s
+
+    def _pack(
+        self, launch: _Launch, c: torch.Tensor, s: torch.Tensor, e: torch.Tensor, bits: torch.Tensor
+    ) -> None:
+        n = c.numel()
+        launch.kernel("worker.cu", "commopt_pack_update")(
+            (_blocks(n),), (_THREADS,), (_cp(c), _cp(s), _cp(e), _cp(bits), np.int64(n))
+        )
+
+    def pack_worker_(
+        self, c: torch.Tensor, s: torch.Tensor, worker_error: torch.Tensor, bits: torch.Tensor
+    ) -> None:
+        r"""Steps 3–4: bits = pack(c ≥ 0) MSB first; e ← c − s·sgn(c)."""
+        s = s.to(device=c.device, dtype=torch.float32).reshape(1)
+        if not (
+            _plain(c, s, worker_error, bits) and c.dtype == worker_error.dtype == torch.float32
+        ):
+            return self._reference.pack_worker_(c, s, worker_error, bits)
+        with _Launch(c) as launch:
+            self._pack(launch, c, s, worker_error, bits)
+        return None
+
+    def server_reduce_(
+        self,
+        recv_bits: torch.Tensor,
+        scales: torch.Tensor,
+        server_error: torch.Tensor,
+        bits: torch.Tensor,
+    ) -> torch.Tensor:
+        r"""Steps 6–7: a = (Σ_i s_i·sgn_i)/n in rank order; c_s = a + f; t = ‖c_s‖₂/√M;
+        bits = pack(c_s ≥ 0); f ← c_s − t·sgn(c_s). Returns t (on the device)."""
+        if not (
+            _plain(recv_bits, scales, server_error, bits)
+            and scales.dtype == server_error.dtype == torch.float32
+        ):
+            return self._reference.server_reduce_(recv_bits, scales, server_error, bits)
+        n, chunk_bytes = recv_bits.shape
+        m = server_error.numel()
+        blocks = _blocks(m)
+        partial = torch.empty(blocks, dtype=torch.float64, device=server_error.device)
+        t = torch.empty(1, dtype=torch.float32, device=server_error.device)
+        with _Launch(server_error) as launch:
+            launch.kernel("server.cu", "commopt_server_average")(
+                (blocks,),
+                (_THREADS,),
+                (
+                    _cp(recv_bits),
+                    _cp(scales),
+                    np.int32(n),
+                    np.int64(chunk_bytes),
+                    _cp(server_error),
+                    _cp(partial),
+                ),
+            )
+            self._rms(launch, partial, blocks, m, t)
+            self._pack(launch, server_error, t, server_error, bits)  # f holds c_s: in place
+        return t
+
+    def unpack_scaled_(self, bits: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> None:
+        r"""Step 9: out = concat_j t_j·sgn(bits_j), first out.numel() elements."""
+        if not (_plain(bits, scales, out) and scales.dtype == out.dtype == torch.float32):
+            return self._reference.unpack_scaled_(bits, scales, out)
+        n, chunk_bytes = bits.shape
+        n_true = out.numel()
+        if n_true == 0:
+            return None
+        grid = (_blocks(min(8 * chunk_bytes, n_true)), min(n, _MAX_GRID_Y))
+        with _Launch(out) as launch:
+            launch.kernel("unpack.cu", "commopt_unpack_scaled")(
+                grid,
+                (_THREADS,),
+                (
+                    _cp(bits),
+                    _cp(scales),
+                    np.int32(n),
+                    np.int64(chunk_bytes),
+                    np.int64(n_true),
+                    _cp(out),
+                ),
+            )
+        return None

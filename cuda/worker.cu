@@ -1,0 +1,97 @@
+// Worker side of the error-compensated 1-bit allreduce (commopt, SPEC §1 steps 1-4),
+// plus the two helpers the server side reuses (finish_rms, pack_update).
+//
+// Exactness contract (commopt.kernels): every elementwise value is one correctly rounded fp32
+// operation, written with the explicit __f*_rn intrinsics so that nvcc/NVRTC never contracts a
+// multiply and an add into an FMA. ±s is formed exactly as the CPU reference forms it:
+// 2s·1 − s and 2s·0 − s. Only the sums of squares are reduced in another order (in fp64).
+//
+// Launch contract: blockDim.x == COMMOPT_THREADS for the reducing kernels; any grid size.
+
+#define COMMOPT_THREADS 256
+
+// Sum of v over the block, valid in thread 0 (fixed order: warp shuffles, then warps 0..7).
+__device__ double commopt_block_sum(double v) {
+    __shared__ double warp_sums[COMMOPT_THREADS / 32];
+    for (int offset = 16; offset > 0; offset >>= 1) {
+        v += __shfl_down_sync(0xffffffffu, v, offset);
+    }
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    if (lane == 0) {
+        warp_sums[warp] = v;
+    }
+    __syncthreads();
+    double total = 0.0;
+    if (threadIdx.x == 0) {
+        for (int w = 0; w < COMMOPT_THREADS / 32; ++w) {
+            total += warp_sums[w];
+        }
+    }
+    return total;
+}
+
+// c[i] = x[i] + e[i] for i < n_true, c[i] = e[i] for n_true <= i < n;
+// partial[blockIdx.x] = sum of c[i]^2 over the elements this block visited (fp64).
+extern "C" __global__ void commopt_compensate(const float* __restrict__ x, long long n_true,
+                                              const float* __restrict__ e,
+                                              float* __restrict__ c, long long n,
+                                              double* __restrict__ partial) {
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    double acc = 0.0;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+        const float v = i < n_true ? __fadd_rn(x[i], e[i]) : e[i];
+        c[i] = v;
+        const double d = (double)v;
+        acc += d * d;  // d*d is exact in fp64 (24-bit mantissas)
+    }
+    const double total = commopt_block_sum(acc);
+    if (threadIdx.x == 0) {
+        partial[blockIdx.x] = total;
+    }
+}
+
+// out[0] = sqrt(sum(partial[0:count])) / sqrt(n), rounded once to fp32. One block.
+extern "C" __global__ void commopt_finish_rms(const double* __restrict__ partial, int count,
+                                              long long n, float* __restrict__ out) {
+    double acc = 0.0;
+    for (int i = threadIdx.x; i < count; i += blockDim.x) {
+        acc += partial[i];
+    }
+    const double total = commopt_block_sum(acc);
+    if (threadIdx.x == 0) {
+        out[0] = n > 0 ? __double2float_rn(sqrt(total) / sqrt((double)n)) : 0.0f;
+    }
+}
+
+// bits = pack(c >= 0), most significant bit first (numpy packbits order);
+// e[i] = c[i] - (c[i] >= 0 ? 2s - s : 0 - s), with s = s_ptr[0].
+// n is a multiple of 8. c and e may be the same buffer (the server updates f in place), so
+// neither is __restrict__: each thread reads c[i] before it writes e[i], and no other thread
+// touches element i.
+extern "C" __global__ void commopt_pack_update(const float* c, const float* __restrict__ s_ptr,
+                                               float* e, unsigned char* __restrict__ bits,
+                                               long long n) {
+    const float s = s_ptr[0];
+    const float plus = __fsub_rn(__fmul_rn(2.0f, s), s);
+    const float minus = __fsub_rn(0.0f, s);
+    const int lane = threadIdx.x & 31;
+    const long long stride = (long long)gridDim.x * blockDim.x;  // a multiple of 32
+    // The loop condition depends on the warp's first element only, so all 32 lanes stay
+    // together for the ballot.
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i - lane < n;
+         i += stride) {
+        const bool valid = i < n;
+        const float v = valid ? c[i] : 0.0f;
+        const bool pos = v >= 0.0f;  // true for +0 and -0, false for NaN
+        // Bit l of the ballot is lane l; reversed, lane l is bit 31 - l, so the byte of lanes
+        // 8k..8k+7 with lane 8k as its most significant bit is (brev >> (24 - 8k)) & 0xff.
+        const unsigned int ballot = __ballot_sync(0xffffffffu, valid && pos);
+        if (valid) {
+            e[i] = __fsub_rn(v, pos ? plus : minus);
+            if ((lane & 7) == 0) {
+                bits[i >> 3] = (unsigned char)((__brev(ballot) >> (24 - lane)) & 0xffu);
+            }
+        }
+    }
+}

@@ -1,0 +1,196 @@
+r"""Per-rank CPU cost of the compressed allreduce's per-element work, in memcpy-equivalents.
+
+One rank's share of SPEC §1 for a buffer of N fp32 elements at world size n is
+
+    compensate (N) + pack_worker_ (N) + server_reduce_ (n rows of N/n) + unpack_scaled_ (N);
+
+no communication is involved: the received rows are random bytes with the right shapes. The
+yardstick is one memcpy of the same N·4 bytes (``np.copyto`` into a buffer already touched),
+timed in the same run and interleaved with the kernels, so a busy machine slows both alike.
+Each kernel set runs in turn, round after round, and medians are reported, on two clocks: the
+process's CPU time (what this rank itself spent; robust on a shared machine, the headline) and
+wall time.
+
+Variants timed:
+
+- ``torch``: :class:`commopt.kernels.TorchKernels`, the reference (torch limited to one thread,
+  as one of several ranks sharing the cores).
+- ``numba``: :class:`commopt.kernels.numba_kernels.NumbaKernels`, every buffer allocated once.
+- ``numba, fresh c``: the same, but the 4N-byte buffer ``c`` is allocated per call as
+  :func:`commopt.compressed_allreduce` does; first-touch page faults on a fresh 64 MB tensor
+  are part of that cost.
+
+Usage::
+
+    python experiments/kernels/bench_cpu_kernels.py [--numel 16777216] [--world-size 4]
+        [--rounds 7] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+
+import numpy as np
+import torch
+
+from commopt.compressed import padded_size
+from commopt.kernels import TorchKernels
+
+__all__ = ["main"]
+
+STAGES = ("compensate", "pack_worker_", "server_reduce_", "unpack_scaled_", "total")
+
+
+def _clock() -> tuple[float, float]:
+    return time.process_time(), time.perf_counter()
+
+
+def _elapsed(t0: tuple[float, float], t1: tuple[float, float]) -> tuple[float, float]:
+    return t1[0] - t0[0], t1[1] - t0[1]
+
+
+def _per_element_work(kernels, bufs: dict, fresh_c: bool) -> dict[str, tuple[float, float]]:
+    """One rank's per-element work; (cpu, wall) seconds per stage."""
+    t0 = _clock()
+    c = torch.empty_like(bufs["e"]) if fresh_c else bufs["c"]
+    s = kernels.compensate(bufs["x"], bufs["e"], c)
+    t1 = _clock()
+    kernels.pack_worker_(c, s, bufs["e"], bufs["bits"])
+    t2 = _clock()
+    kernels.server_reduce_(bufs["recv"], bufs["scales"], bufs["f"], bufs["server_bits"])
+    t3 = _clock()
+    kernels.unpack_scaled_(bufs["recv"], bufs["server_scales"], bufs["out"])
+    t4 = _clock()
+    return dict(
+        zip(
+            STAGES,
+            (
+                _elapsed(t0, t1),
+                _elapsed(t1, t2),
+                _elapsed(t2, t3),
+                _elapsed(t3, t4),
+                _elapsed(t0, t4),
+            ),
+            strict=True,
+        )
+    )
+
+
+def _buffers(numel: int, n: int, seed: int = 0) -> dict:
+    padded = padded_size(numel, n)
+    chunk = padded // n
+    rng = np.random.default_rng(seed)
+    return {
+        "x": torch.from_numpy(rng.standard_normal(numel, dtype=np.float32)),
+        "e": torch.from_numpy(rng.standard_normal(padded, dtype=np.float32) * np.float32(0.01)),
+        "f": torch.from_numpy(rng.standard_normal(chunk, dtype=np.float32) * np.float32(0.01)),
+        "c": torch.zeros(padded),
+        "recv": torch.from_numpy(rng.integers(0, 256, (n, chunk // 8), dtype=np.uint8)),
+        "scales": torch.from_numpy(rng.random(n, dtype=np.float32) + np.float32(0.5)),
+        "server_scales": torch.from_numpy(rng.random(n, dtype=np.float32) + np.float32(0.5)),
+        "bits": torch.zeros(padded // 8, dtype=torch.uint8),
+        "server_bits": torch.zeros(chunk // 8, dtype=torch.uint8),
+        "out": torch.zeros(numel),
+    }
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--numel", type=int, default=1 << 24)
+    parser.add_argument("--world-size", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--json", default=None, help="also write the results here")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    n, numel = args.world_size, args.numel
+
+    bufs = _buffers(numel, n)
+    e0, f0 = bufs["e"].clone(), bufs["f"].clone()
+    src = bufs["x"].numpy()
+    dst = np.zeros_like(src)
+
+    def memcpy() -> tuple[float, float]:
+        t0 = _clock()
+        np.copyto(dst, src)
+        return _elapsed(t0, _clock())
+
+    variants: dict[str, tuple[object, bool]] = {"torch": (TorchKernels(), False)}
+    first_call = None
+    try:
+        from commopt.kernels.numba_kernels import NumbaKernels
+    except ImportError as exc:
+        print(f"numba kernels unavailable ({exc}); timing TorchKernels only")
+    else:
+        fast = NumbaKernels()
+        t0 = time.perf_counter()
+        _per_element_work(fast, _buffers(64, n), fresh_c=False)  # compile, or load from cache
+        first_call = time.perf_counter() - t0
+        variants["numba"] = (fast, False)
+        variants["numba, fresh c"] = (fast, True)
+
+    samples: dict[str, list[dict]] = {name: [] for name in variants}
+    copies = [memcpy()]
+    for _ in range(args.rounds):
+        for name, (kernels, fresh_c) in variants.items():
+            bufs["e"].copy_(e0)
+            bufs["f"].copy_(f0)
+            samples[name].append(_per_element_work(kernels, bufs, fresh_c))
+            copies.append(memcpy())
+    memcpy_cpu = statistics.median(c[0] for c in copies)
+    memcpy_wall = statistics.median(c[1] for c in copies)
+
+    result = {
+        "machine": f"{_cpu_name()}, {os.cpu_count()} cores, shared with other jobs",
+        "numel": numel,
+        "world_size": n,
+        "rounds": args.rounds,
+        "memcpy_ms": {"cpu": memcpy_cpu * 1e3, "wall": memcpy_wall * 1e3},
+        "numba_first_call_s": first_call,
+        "kernels": {},
+    }
+    print(f"{result['machine']}; N = {numel}, n = {n}, one thread, {args.rounds} rounds, medians")
+    print(
+        f"memcpy of {4 * numel / 2**20:.0f} MiB: {memcpy_cpu * 1e3:.2f} ms CPU, "
+        f"{memcpy_wall * 1e3:.2f} ms wall "
+        f"({8 * numel / memcpy_cpu / 1e9:.1f} GB/s read+write on CPU time)"
+    )
+    if first_call is not None:
+        print(
+            f"numba kernels, first call in this process (compile or cache load): {first_call:.2f} s"
+        )
+    for clock, idx, yard in (("CPU time", 0, memcpy_cpu), ("wall time", 1, memcpy_wall)):
+        print(f"\n{clock}: ms | memcpy-equivalents")
+        print(f"{'':16s}" + "".join(f"{st:>18s}" for st in STAGES))
+        for name, runs in samples.items():
+            med = {st: statistics.median(r[st][idx] for r in runs) for st in STAGES}
+            result["kernels"].setdefault(name, {})[clock] = {
+                st: {"ms": med[st] * 1e3, "memcpy_equiv": med[st] / yard} for st in STAGES
+            }
+            print(
+                f"{name:16s}"
+                + "".join(f"{med[st] * 1e3:10.1f} |{med[st] / yard:6.2f}" for st in STAGES)
+            )
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(result, fh, indent=2)
+    return result
+
+
+if __name__ == "__main__":
+    main()
