@@ -100,6 +100,15 @@ def _backends(args: argparse.Namespace) -> dict[str, Backend]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401  (checked before minutes of measuring, not after)
+        except ImportError:
+            print(
+                "commopt bench: --plot needs matplotlib: pip install 'commopt[experiments]'",
+                file=sys.stderr,
+            )
+            return 2
     backends = _backends(args)
     if not backends:
         print(
