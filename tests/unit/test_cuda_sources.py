@@ -1,0 +1,134 @@
+"""The CUDA C kernels in cuda/: they compile (nvcc --ptx), keep the exactness contract, and ship.
+
+No GPU is needed: nvcc only translates to PTX. Where nvcc is absent those tests skip and say so.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from commopt.kernels.cuda_sources import CUDA_SOURCES, cuda_source, cuda_source_dir
+
+REPO = Path(__file__).resolve().parents[2]
+NVCC = shutil.which("nvcc")
+needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH; cannot compile .cu")
+
+# extern "C" entry points the Python side (commopt/kernels/cupy_kernels.py) launches, per file.
+ENTRIES = {
+    "worker.cu": {"commopt_compensate", "commopt_finish_rms", "commopt_pack_update"},
+    "server.cu": {"commopt_server_average"},
+    "unpack.cu": {"commopt_unpack_scaled"},
+}
+
+
+def test_every_source_is_known_and_found():
+    on_disk = sorted(p.name for p in (REPO / "cuda").glob("*.cu"))
+    assert on_disk == sorted(CUDA_SOURCES), (
+        "a .cu file in cuda/ is not in CUDA_SOURCES or vice versa"
+    )
+    assert sorted(ENTRIES) == sorted(CUDA_SOURCES)
+    assert cuda_source_dir() == REPO / "cuda"  # this checkout is installed editable
+    for name in CUDA_SOURCES:
+        assert cuda_source(name) == (REPO / "cuda" / name).read_text()
+
+
+def test_unknown_source_name_is_rejected():
+    with pytest.raises(ValueError, match=r"unknown CUDA source 'nope.cu'; expected one of"):
+        cuda_source("nope.cu")
+
+
+def test_every_entry_point_is_launched_from_python():
+    wrapper = (REPO / "commopt" / "kernels" / "cupy_kernels.py").read_text()
+    for entries in ENTRIES.values():
+        for entry in entries:
+            assert f'"{entry}"' in wrapper, entry
+
+
+@needs_nvcc
+@pytest.mark.parametrize("name", CUDA_SOURCES)
+@pytest.mark.parametrize("arch", [None, "sm_90"])  # nvcc's default (oldest supported), Hopper
+def test_compiles_to_ptx_without_warnings(name, arch, tmp_path):
+    """nvcc --ptx -Werror all-warnings; the PTX has the entry points and no fp32 FMA.
+
+    An fp32 FMA would mean a multiply and an add were contracted into one rounding, which breaks
+    the bit-for-bit agreement with the CPU kernels (the sources use __f*_rn intrinsics to
+    prevent it). fp64 FMAs in the sums of squares are fine: d·d is exact in fp64.
+    """
+    ptx = tmp_path / f"{name}.ptx"
+    proc = subprocess.run(
+        [
+            NVCC,
+            "--ptx",
+            *([f"-arch={arch}"] if arch else []),
+            "-Werror",
+            "all-warnings",
+            "-o",
+            str(ptx),
+            str(REPO / "cuda" / name),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    text = ptx.read_text()
+    entries = set(re.findall(r"\.entry\s+(\w+)", text))
+    assert entries == ENTRIES[name]
+    assert "fma.rn.f32" not in text and "mad.f32" not in text
+
+
+def test_wheel_ships_the_cuda_sources(tmp_path):
+    """Build a wheel from a copy of the project; it must carry commopt/cuda/*.cu, found there."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "setup.py", "MANIFEST.in", "README.md"):
+        if (REPO / name).exists():
+            shutil.copy2(REPO / name, src / name)
+    shutil.copytree(REPO / "commopt", src / "commopt", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(REPO / "cuda", src / "cuda")
+    wheels = tmp_path / "wheels"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            str(src),
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(wheels),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    (wheel,) = wheels.glob("commopt-*.whl")
+    with zipfile.ZipFile(wheel) as zf:
+        for name in CUDA_SOURCES:
+            assert zf.read(f"commopt/cuda/{name}").decode() == (REPO / "cuda" / name).read_text()
+        zf.extractall(tmp_path / "site")
+    # Installed from the wheel (first on sys.path), the sources are looked up inside the package.
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "from commopt.kernels.cuda_sources import cuda_source_dir; print(cuda_source_dir())",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PYTHONPATH": str(tmp_path / "site"), "PATH": "/usr/bin:/bin"},
+        cwd=tmp_path,  # not the checkout: `python -c` puts the working directory first on sys.path
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert Path(proc.stdout.strip()) == tmp_path / "site" / "commopt" / "cuda"
