@@ -3,7 +3,10 @@ r"""Benchmark (not a test): ``commopt.compressed_allreduce`` next to dense all_r
 For one buffer of ``--numel`` fp32 elements (default 16M = 64 MB) on every rank, times in the
 same process group, interleaved round by round so that machine noise hits every method alike:
 
-- ``compressed``: ``commopt.compressed_allreduce`` (SPEC §1, persistent error buffers);
+- ``compressed``: ``commopt.compressed_allreduce`` (SPEC §1, persistent error buffers) with
+  the device's default per-element kernels (numba on CPU when installed);
+- ``compressed_torch``: the same call forced onto the reference ``TorchKernels`` (its own error
+  buffers), to compare kernel implementations in the same run;
 - ``dense fp32``: ``torch.distributed.all_reduce`` of the fp32 buffer (gloo ring on CPU);
 - ``dense fp16``: the same on an fp16 copy (cast included: that is what a user would pay).
 
@@ -16,8 +19,7 @@ Launch it like training (``commopt.init()`` reads either environment)::
     mpiexec -n 4 python experiments/allreduce/bench_allreduce.py
     bash experiments/allreduce/netlab.sh 1gbit         # as root: 4 hosts on an emulated link
 
-``--kernels torch`` forces the reference per-element path (``TorchKernels``) instead of the
-default for the device, to compare kernel implementations.
+``--methods`` picks a subset of ``compressed,compressed_torch,fp32,fp16`` (default: all).
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ from commopt.compressed import compression_bytes
 from commopt.kernels import TorchKernels, get_kernels, use_kernels
 
 __all__ = ["main"]
+
+_METHODS = ["compressed", "compressed_torch", "fp32", "fp16"]
 
 
 def _describe_machine() -> str:
@@ -77,18 +81,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--numel", type=int, default=16 * 2**20, help="fp32 elements per rank")
     parser.add_argument("--reps", type=int, default=7, help="timed rounds (median reported)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed rounds first")
-    parser.add_argument(
-        "--methods", default="compressed,fp32,fp16", help="subset of compressed,fp32,fp16"
-    )
-    parser.add_argument(
-        "--kernels",
-        choices=("default", "torch"),
-        default="default",
-        help="per-element path of the compressed call: the device default or TorchKernels",
-    )
+    parser.add_argument("--methods", default=",".join(_METHODS), help=f"subset of {_METHODS}")
     parser.add_argument("--label", default="", help="free text printed with the results")
     parser.add_argument("--json", default="", help="also write the results here (rank 0)")
     args = parser.parse_args(argv)
+    chosen = [m.strip() for m in args.methods.split(",") if m.strip()]
+    bad = [m for m in chosen if m not in _METHODS]
+    if bad:
+        parser.error(f"unknown method(s) {bad}; choose from {_METHODS}")
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     backend = commopt.init(timeout=600.0)
@@ -100,13 +100,17 @@ def main(argv: list[str] | None = None) -> int:
     gen = torch.Generator().manual_seed(1234 + rank)
     x = torch.randn(args.numel, generator=gen)
     padded = commopt.padded_size(args.numel, n)
-    worker_error = torch.zeros(padded)
-    server_error = torch.zeros(padded // n)
+    errors = {m: (torch.zeros(padded), torch.zeros(padded // n)) for m in _METHODS[:2]}
     out = torch.empty_like(x)
     dense = torch.empty_like(x)
+    reference = TorchKernels()
 
     def compressed() -> None:
-        commopt.compressed_allreduce(x, worker_error, server_error, backend, out=out)
+        commopt.compressed_allreduce(x, *errors["compressed"], backend, out=out)
+
+    def compressed_torch() -> None:
+        with use_kernels(reference):
+            commopt.compressed_allreduce(x, *errors["compressed_torch"], backend, out=out)
 
     def fp32() -> None:
         dense.copy_(x)
@@ -117,75 +121,61 @@ def main(argv: list[str] | None = None) -> int:
         dist.all_reduce(h)
         dense.copy_(h)
 
-    methods = {"compressed": compressed, "fp32": fp32, "fp16": fp16}
-    chosen = [m.strip() for m in args.methods.split(",") if m.strip()]
-    bad = [m for m in chosen if m not in methods]
-    if bad:
-        parser.error(f"unknown method(s) {bad}; choose from {list(methods)}")
-
-    kernel_ctx = (
-        use_kernels(TorchKernels()) if args.kernels == "torch" else contextlib.nullcontext()
-    )
+    methods = {"compressed": compressed, "compressed_torch": compressed_torch}
+    methods |= {"fp32": fp32, "fp16": fp16}
     times: dict[str, list[float]] = {m: [] for m in chosen}
-    with kernel_ctx:
-        kernel_name = get_kernels(x.device).name
-        for i in range(args.warmup + args.reps):
-            for m in chosen:
-                t = _timed(methods[m])
-                if i >= args.warmup:
-                    times[m].append(t)
+    for i in range(args.warmup + args.reps):
+        for m in chosen:
+            t = _timed(methods[m])
+            if i >= args.warmup:
+                times[m].append(t)
 
     if rank == 0:
-        mb = args.numel * 4 / 1e6
-        wire = {
-            "compressed": compression_bytes(args.numel, n),
-            "fp32": 2 * (n - 1) * args.numel * 4 // n,
-            "fp16": 2 * (n - 1) * args.numel * 2 // n,
-        }
-        med = {m: statistics.median(v) for m, v in times.items()}
-        print(
-            f"bench_allreduce {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC"
-            f" {args.label}".rstrip()
-        )
-        print(f"machine: {_describe_machine()}")
-        print(
-            f"{n} ranks ({backend!r}, MASTER_ADDR={os.environ.get('MASTER_ADDR', 'via MPI')}), "
-            f"{args.numel:,} fp32 elements = {mb:.1f} MB per rank, compressed kernels: "
-            f"{kernel_name}; median of {args.reps} after {args.warmup} warm-up rounds "
-            "(slowest rank per call)"
-        )
-        print(f"| {'method':<10} | median ms | min ms | max ms | MB sent/rank | GB/s algbw |")
-        print("|------------|-----------|--------|--------|--------------|------------|")
-        for m in chosen:
-            v = times[m]
-            print(
-                f"| {m:<10} | {med[m] * 1e3:9.1f} | {min(v) * 1e3:6.1f} | {max(v) * 1e3:6.1f} "
-                f"| {wire[m] / 1e6:12.2f} | {mb / 1e3 / med[m]:10.3f} |"
-            )
-        if "compressed" in med:
-            for m in ("fp32", "fp16"):
-                if m in med:
-                    print(
-                        f"speed-up of compressed over dense {m}: {med[m] / med['compressed']:.2f}x"
-                    )
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(
-                    {
-                        "label": args.label,
-                        "machine": _describe_machine(),
-                        "world_size": n,
-                        "numel": args.numel,
-                        "kernels": kernel_name,
-                        "times_s": times,
-                        "median_s": med,
-                    },
-                    f,
-                    indent=1,
-                )
+        _report(args, chosen, times, backend, get_kernels(x.device).name)
     dist.barrier()
     dist.destroy_process_group()
     return 0
+
+
+def _report(
+    args: argparse.Namespace,
+    chosen: list[str],
+    times: dict[str, list[float]],
+    backend: commopt.Backend,
+    kernel_name: str,
+) -> None:
+    n = backend.world_size
+    mb = args.numel * 4 / 1e6
+    dense = 2 * (n - 1) * args.numel * 4 // n
+    wire = {"fp32": dense, "fp16": dense // 2}
+    wire["compressed"] = wire["compressed_torch"] = compression_bytes(args.numel, n)
+    med = {m: statistics.median(v) for m, v in times.items()}
+    now = datetime.datetime.now(datetime.timezone.utc)
+    print(f"bench_allreduce {now:%Y-%m-%d %H:%M} UTC {args.label}".rstrip())
+    print(f"machine: {_describe_machine()}")
+    print(
+        f"{n} ranks ({backend!r}, MASTER_ADDR={os.environ.get('MASTER_ADDR', 'via MPI')}), "
+        f"{args.numel:,} fp32 elements = {mb:.1f} MB per rank; 'compressed' uses the "
+        f"{kernel_name!r} kernels, 'compressed_torch' TorchKernels; median of {args.reps} "
+        f"after {args.warmup} warm-up rounds, each call timed on the slowest rank"
+    )
+    print(f"| {'method':<16} | median ms | min ms | max ms | MB sent/rank | GB/s algbw |")
+    print("|------------------|-----------|--------|--------|--------------|------------|")
+    for m in chosen:
+        v = times[m]
+        print(
+            f"| {m:<16} | {med[m] * 1e3:9.1f} | {min(v) * 1e3:6.1f} | {max(v) * 1e3:6.1f} "
+            f"| {wire[m] / 1e6:12.2f} | {mb / 1e3 / med[m]:10.3f} |"
+        )
+    for c in ("compressed", "compressed_torch"):
+        for m in ("fp32", "fp16"):
+            if c in med and m in med:
+                print(f"speed-up of {c} over dense {m}: {med[m] / med[c]:.2f}x")
+    if args.json:
+        with open(args.json, "w") as f:
+            record = {"label": args.label, "machine": _describe_machine(), "world_size": n}
+            record |= {"numel": args.numel, "kernels": kernel_name, "times_s": times}
+            json.dump(record | {"median_s": med}, f, indent=1)
 
 
 if __name__ == "__main__":
