@@ -8,6 +8,7 @@ from commopt.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from commopt.comm import Backend, MixedBackend, MpiBackend, SingleProcessBackend, TorchBackend
 from commopt.compressed import NonFiniteError, compressed_allreduce, padded_size
 from commopt.deepspeed_compat import from_deepspeed_config, to_deepspeed_config
+from commopt.faults import CollectiveError, watch
 from commopt.launch import broadcast_parameters, discover_launch, init
 from commopt.optim import OnebitAdam, OnebitLamb, ZeroOneAdam
 
@@ -16,6 +17,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Backend",
     "CheckpointError",
+    "CollectiveError",
     "MixedBackend",
     "MpiBackend",
     "NonFiniteError",
@@ -33,4 +35,5 @@ __all__ = [
     "padded_size",
     "save_checkpoint",
     "to_deepspeed_config",
+    "watch",
 ]

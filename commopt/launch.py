@@ -29,6 +29,7 @@ from commopt.comm import (
     resolve_backend,
     set_default_backend,
 )
+from commopt.faults import watch
 
 __all__ = ["LaunchInfo", "broadcast_parameters", "discover_launch", "init", "launched_by_mpi"]
 
@@ -153,7 +154,11 @@ def init(
             (mpi4py on ``COMM_WORLD``) or ``"auto"``, which means ``"torch"``.
         device: the device training runs on; chooses NCCL vs gloo. Default: CUDA (GPU
             ``LOCAL_RANK``) when available, else CPU.
-        timeout: seconds a collective may wait for the other ranks before failing.
+        timeout: seconds a collective may wait for the other ranks before failing. With
+            more than one rank the backend is wrapped in :func:`commopt.faults.watch`:
+            a failed collective raises ``CollectiveError`` naming the operation, and one that
+            hangs past ``timeout`` ends the job (MPI: ``MPI_Abort``; torch: its own timeout
+            raises first).
         cuda_aware: for ``"mpi"``, pass CUDA buffers straight to a CUDA-aware MPI.
 
     Returns:
@@ -173,6 +178,8 @@ def init(
                 f"{info.launcher} launcher variables say {info.world_size}; start the job with "
                 "mpirun/mpiexec for backend='mpi', or use backend='torch' under torchrun"
             )
+        if chosen.world_size > 1:
+            chosen = watch(chosen, timeout)
         set_default_backend(chosen)
         return chosen
 
@@ -213,6 +220,8 @@ def init(
                 timeout=td,
             )
     chosen = TorchBackend()
+    if chosen.world_size > 1:
+        chosen = watch(chosen, timeout)
     set_default_backend(chosen)
     return chosen
 

@@ -1,0 +1,89 @@
+"""A rank that dies or hangs under ``mpiexec`` ends the job with an error, not a hang.
+
+Runs ``mpiexec -n 2`` in a subprocess of its own (a fault inside the suite's shared 4-rank
+mpiexec job would take that whole job down), with ``commopt.init("mpi", timeout=3)``. MPI
+collectives cannot time out by themselves: when rank 1 stops calling them, rank 0's watchdog
+must abort the job; when rank 1 is killed, the launcher must end the job.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+_MPI_SCRIPT = textwrap.dedent(
+    """
+    import os, signal, sys, time
+    import torch
+    import commopt
+
+    mode, timeout = sys.argv[1], float(sys.argv[2])
+    torch.set_num_threads(1)
+    be = commopt.init("mpi", timeout=timeout)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(16, 4)
+    opt = commopt.OnebitAdam(model.parameters(), lr=1e-2, freeze_step=2)
+    for step in range(1, 60):
+        if be.rank == 1 and step == 4:
+            with open("fault_time", "w") as f:
+                f.write(repr(time.time()))
+            if mode == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            time.sleep(300)
+        opt.zero_grad()
+        model(torch.randn(8, 16)).square().mean().backward()
+        opt.step()
+    print("finished", flush=True)
+    """
+)
+
+
+def _mpi_env() -> dict[str, str]:
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("OMPI_COMM_WORLD", "PMI_", "PMIX_"))
+    }
+    if os.getuid() == 0:
+        env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    env.update(
+        PRTE_MCA_rmaps_default_mapping_policy=":oversubscribe",
+        OMPI_MCA_btl="self,tcp",
+        OMPI_MCA_btl_tcp_if_include="lo",
+        OMP_NUM_THREADS="1",
+    )
+    return env
+
+
+@pytest.mark.skipif(shutil.which("mpiexec") is None, reason="no mpiexec on PATH")
+@pytest.mark.parametrize("mode", ["kill", "hang"])
+def test_mpi_survivor_stops(tmp_path, mode):
+    pytest.importorskip("mpi4py", reason="the MPI backend needs mpi4py")
+    if "OMPI_COMM_WORLD_RANK" in os.environ:
+        pytest.skip("already inside an mpiexec job; this test launches its own")
+    script = tmp_path / "fault.py"
+    script.write_text(_MPI_SCRIPT)
+    proc = subprocess.run(
+        ["timeout", "150", "mpiexec", "-n", "2", sys.executable, str(script), mode, "3"],
+        capture_output=True,
+        text=True,
+        env=_mpi_env(),
+        cwd=str(tmp_path),
+        timeout=180,
+    )
+    end = time.time()
+    output = proc.stdout + proc.stderr
+    assert proc.returncode not in (0, 124), f"rc={proc.returncode}\n{output[-3000:]}"
+    assert "finished" not in proc.stdout
+    # From the fault to the end of the whole job: the timeout plus the launcher's tear-down.
+    waited = end - float((tmp_path / "fault_time").read_text())
+    assert waited < 3 + 30, (waited, output[-3000:])
+    if mode == "hang":
+        assert "commopt watchdog" in output and "has not completed" in output, output[-3000:]
+        assert "on rank 0 of 2 (mpi backend)" in output
