@@ -382,3 +382,16 @@ def test_broadcast_parameters_over_mpi(mpi_backend: MpiBackend, world, allgather
             assert torch.equal(v, want_model[k]), f"rank {r}: {k}"
         assert all(torch.equal(a, b) for a, b in zip(tensors, want_extra, strict=True)), f"rank {r}"
     assert not odd.is_contiguous()  # updated through a contiguous copy, still the same view
+
+
+def test_empty_tensors(mpi_backend: MpiBackend, world, allgather) -> None:
+    _, n = world
+    e = torch.empty(0)
+    mpi_backend.all_reduce(e, "sum")
+    mpi_backend.all_reduce(torch.empty(0, dtype=torch.float16), "avg")
+    gathered = torch.empty(0, dtype=torch.bfloat16)
+    mpi_backend.all_gather(gathered, torch.empty(0, dtype=torch.bfloat16))
+    mpi_backend.all_to_all(torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int64))
+    mpi_backend.broadcast(torch.empty(0, 3), n - 1)
+    done = allgather(mpi_backend.stats.calls)
+    assert done == [5] * n and e.numel() == 0
