@@ -10,6 +10,7 @@ from commopt.compressed import NonFiniteError, compressed_allreduce, padded_size
 from commopt.deepspeed_compat import from_deepspeed_config, to_deepspeed_config
 from commopt.faults import CollectiveError, watch
 from commopt.launch import broadcast_parameters, discover_launch, init
+from commopt.monitor import log_comm_stats
 from commopt.optim import OnebitAdam, OnebitLamb, ZeroOneAdam
 
 __version__ = "0.1.0"
@@ -32,6 +33,7 @@ __all__ = [
     "from_deepspeed_config",
     "init",
     "load_checkpoint",
+    "log_comm_stats",
     "padded_size",
     "save_checkpoint",
     "to_deepspeed_config",
