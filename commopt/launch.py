@@ -107,6 +107,31 @@ def launched_by_mpi(env: Mapping[str, str] | None = None) -> bool:
     return "OMPI_COMM_WORLD_RANK" in env or "PMI_RANK" in env
 
 
+def _master_address(hostnames: list[str]) -> str:
+    """An address of this host (rank 0's) that the hosts in ``hostnames`` can connect to.
+
+    One host: loopback. Several: what this host's name resolves to, unless that is a loopback
+    address (as ``/etc/hosts`` often makes it); then the local address of the route towards
+    another rank's host (a UDP ``connect`` sends nothing, it only picks the interface).
+    """
+    me = socket.gethostname()
+    if len(set(hostnames)) == 1:
+        return "127.0.0.1"
+    addr = socket.gethostbyname(me)
+    if not addr.startswith("127."):
+        return addr
+    peer = next(h for h in hostnames if h != me)
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((socket.gethostbyname(peer), 9))
+            return s.getsockname()[0]
+    except OSError as err:
+        raise RuntimeError(
+            f"cannot find an address of {me!r} that {peer!r} can reach ({me!r} resolves to "
+            f"{addr}): set MASTER_ADDR to one"
+        ) from err
+
+
 def _mpi_bootstrap_store(info: LaunchInfo, timeout: datetime.timedelta) -> dist.TCPStore:
     """A torch.distributed store whose address rank 0 shares with the others over MPI."""
     from mpi4py import MPI
@@ -119,23 +144,27 @@ def _mpi_bootstrap_store(info: LaunchInfo, timeout: datetime.timedelta) -> dist.
         )
     hostnames = comm.allgather(socket.gethostname())
     if info.rank == 0:
-        # One host: loopback. Several: the address rank 0's hostname resolves to.
-        if info.master_addr:
-            addr = info.master_addr
-        elif len(set(hostnames)) == 1:
-            addr = "127.0.0.1"
-        else:
-            addr = socket.gethostbyname(socket.gethostname())
-        # wait_for_workers=False: the others learn the port only from the bcast below, so a
-        # master that waited for them here would never get there.
-        store = dist.TCPStore(
-            addr, 0, info.world_size, is_master=True, timeout=timeout, wait_for_workers=False
-        )
+        try:
+            addr = info.master_addr or _master_address(hostnames)
+            # wait_for_workers=False: the others learn the port only from the bcast below, so
+            # a master that waited for them here would never get there.
+            store = dist.TCPStore(
+                addr, 0, info.world_size, is_master=True, timeout=timeout, wait_for_workers=False
+            )
+        except Exception as err:
+            # Tell the others before failing, or they would wait in the bcast forever.
+            comm.bcast(f"{type(err).__name__}: {err}", root=0)
+            raise
         addr_port = comm.bcast((addr, store.port), root=0)
     else:
-        addr, port = comm.bcast(None, root=0)
+        addr_port = comm.bcast(None, root=0)
+        if isinstance(addr_port, str):
+            raise RuntimeError(
+                f"rank 0 could not open the torch.distributed store ({addr_port}); set "
+                "MASTER_ADDR to an address of rank 0's host that the other hosts can reach"
+            )
+        addr, port = addr_port
         store = dist.TCPStore(addr, port, info.world_size, is_master=False, timeout=timeout)
-        addr_port = (addr, port)
     logger.info("rank %d: torch.distributed bootstrapped over MPI at %s:%d", info.rank, *addr_port)
     return store
 

@@ -255,3 +255,37 @@ def test_broadcast_parameters_world_of_one_is_a_no_op(clean: pytest.MonkeyPatch)
         warnings.simplefilter("error")
         commopt.broadcast_parameters(model)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+# -- the address rank 0 offers under mpirun ------------------------------------------------------
+def _hosts(clean: pytest.MonkeyPatch, me: str, table: dict[str, str]) -> None:
+    def resolve(name: str) -> str:
+        if name not in table:
+            raise OSError(f"unknown host {name}")
+        return table[name]
+
+    clean.setattr(launch.socket, "gethostname", lambda: me)
+    clean.setattr(launch.socket, "gethostbyname", resolve)
+
+
+def test_master_address_one_host_is_loopback(clean: pytest.MonkeyPatch) -> None:
+    _hosts(clean, "node0", {})
+    assert launch._master_address(["node0"] * 4) == "127.0.0.1"
+
+
+def test_master_address_several_hosts(clean: pytest.MonkeyPatch) -> None:
+    _hosts(clean, "node0", {"node0": "10.0.0.5", "node1": "10.0.0.6"})
+    assert launch._master_address(["node0", "node0", "node1", "node1"]) == "10.0.0.5"
+
+
+def test_master_address_avoids_loopback_name(clean: pytest.MonkeyPatch) -> None:
+    # /etc/hosts maps the hostname to 127.0.1.1: use the interface routing to the peer instead
+    # (here the peer is this machine's loopback, so the route is loopback too).
+    _hosts(clean, "node0", {"node0": "127.0.1.1", "node1": "127.0.0.1"})
+    assert launch._master_address(["node0", "node1"]) == "127.0.0.1"
+
+
+def test_master_address_unresolvable_peer(clean: pytest.MonkeyPatch) -> None:
+    _hosts(clean, "node0", {"node0": "127.0.1.1"})
+    with pytest.raises(RuntimeError, match=r"cannot find an address of 'node0'.*set MASTER_ADDR"):
+        launch._master_address(["node0", "node1"])

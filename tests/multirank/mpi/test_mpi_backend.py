@@ -395,3 +395,25 @@ def test_empty_tensors(mpi_backend: MpiBackend, world, allgather) -> None:
     mpi_backend.broadcast(torch.empty(0, 3), n - 1)
     done = allgather(mpi_backend.stats.calls)
     assert done == [5] * n and e.numel() == 0
+
+
+def test_bootstrap_failure_on_rank0_reaches_every_rank(world, monkeypatch) -> None:
+    import datetime
+
+    from commopt import launch
+
+    rank, _ = world
+    if rank == 0:  # rank 0 cannot open its store (a bad MASTER_ADDR, a port in use, ...)
+
+        def broken_store(*args, **kwargs):
+            raise OSError("cannot bind")
+
+        monkeypatch.setattr(dist, "TCPStore", broken_store)
+    info = launch.discover_launch()
+    timeout = datetime.timedelta(seconds=30)
+    if rank == 0:
+        with pytest.raises(OSError, match="cannot bind"):
+            launch._mpi_bootstrap_store(info, timeout)
+    else:  # the others fail too, with the reason, instead of waiting for an address forever
+        with pytest.raises(RuntimeError, match=r"rank 0 could not open .*OSError: cannot bind"):
+            launch._mpi_bootstrap_store(info, timeout)
