@@ -163,30 +163,44 @@ class CompressedOptimizer(torch.optim.Optimizer):
         return (max(e_sq, 0.0) / c_sq) ** 0.5 if c_sq > 0 else 0.0
 
     def _check_same_model(self) -> None:
-        """All ranks must hold the same parameters: agree once, name the first mismatch."""
+        """All ranks must hold the same parameters: agree once, name the first mismatch.
+
+        The parameters every rank has (the shortest list) are compared by fingerprint; when
+        they agree but the counts differ, the first mismatch is the first parameter that some
+        rank lacks.
+        """
         be = self.backend
         if be.world_size == 1:
             return
         params = [p for g in self.param_groups for p in g["params"]]
         count = torch.tensor([len(params), -len(params)], dtype=torch.int64)
         be.all_reduce(count, "max")
-        if count[0] != -count[1]:
-            raise ValueError(
-                f"parameter count differs between ranks: rank {be.rank} has {len(params)}, "
-                f"the largest is {int(count[0])} and the smallest {int(-count[1])}"
-            )
-        prints = torch.tensor([_fingerprint(p) for p in params], dtype=torch.int64)
+        largest, common = int(count[0]), int(-count[1])
+        prints = torch.tensor([_fingerprint(p) for p in params[:common]], dtype=torch.int64)
         both = torch.cat([prints, -prints])
         be.all_reduce(both, "max")
-        mismatch = (both[: len(params)] != -both[len(params) :]).nonzero()
-        if len(mismatch):
-            i = int(mismatch[0])
+        mismatch = (both[:common] != -both[common:]).nonzero()
+        if not len(mismatch) and largest == common:
+            return
+        i = int(mismatch[0]) if len(mismatch) else common
+        if i < len(params):
             gi, pi = self._locate(i)
-            raise ValueError(
-                f"parameter shapes or dtypes differ between ranks; first mismatch at "
+            where = (
                 f"param_groups[{gi}]['params'][{pi}] (flat index {i}), shape "
                 f"{tuple(params[i].shape)} {params[i].dtype} on rank {be.rank}"
             )
+        else:
+            where = f"flat index {i}, which rank {be.rank} does not have"
+        if largest != common:
+            raise ValueError(
+                f"parameter count differs between ranks: rank {be.rank} has {len(params)}, "
+                f"the largest is {largest} and the smallest {common}; first mismatch at {where}. "
+                "Every rank must pass the same parameters, in the same order"
+            )
+        raise ValueError(
+            f"parameter shapes or dtypes differ between ranks; first mismatch at {where}. "
+            "Every rank must pass the same parameters, in the same order"
+        )
 
     def _locate(self, flat_index: int) -> tuple[int, int]:
         for gi, g in enumerate(self.param_groups):
