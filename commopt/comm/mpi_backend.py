@@ -86,21 +86,30 @@ class MpiBackend:
 
     # -- buffers -------------------------------------------------------------------------------
     def _to_mpi(self, t: torch.Tensor) -> torch.Tensor:
-        """The tensor MPI reads: ``t`` itself (CPU, CUDA-aware) or a host copy of it (CUDA)."""
+        """The tensor MPI reads: ``t`` itself (CPU, CUDA-aware) or a host copy of it (CUDA).
+
+        The host copy is blocking, so it waits for the device work that produces ``t``; a
+        device buffer handed over directly must be made ready with :meth:`_ready`.
+        """
         if _stage_through_host(t.device, self.cuda_aware):
-            # A blocking copy: waits for the device work that produces t.
             return t.to("cpu")
-        if t.device.type == "cuda":
-            torch.cuda.current_stream(t.device).synchronize()
         return t
 
     def _from_mpi(self, out: torch.Tensor) -> torch.Tensor:
         """Where MPI writes a result meant for ``out``: ``out`` itself, or a host buffer."""
         if _stage_through_host(out.device, self.cuda_aware):
             return torch.empty(out.shape, dtype=out.dtype)
-        if out.device.type == "cuda":
-            torch.cuda.current_stream(out.device).synchronize()
         return out
+
+    @staticmethod
+    def _ready(*buffers: torch.Tensor) -> None:
+        """Before MPI touches device memory: finish the queued work that reads or writes it.
+
+        MPI knows nothing of CUDA streams, so the current stream is synchronized.
+        """
+        for b in buffers:
+            if b.device.type == "cuda":
+                torch.cuda.current_stream(b.device).synchronize()
 
     @staticmethod
     def _check_contiguous(op: str, *tensors: torch.Tensor) -> None:
@@ -126,6 +135,7 @@ class MpiBackend:
         else:
             work = host
         mpi_op = self._bool_ops[op] if work.dtype == torch.bool else self._reduce_ops[op]
+        self._ready(work)
         self.comm.Allreduce(self._mpi.IN_PLACE, _wire(work), op=mpi_op)
         if op == "avg":
             work.div_(self.world_size)
@@ -139,6 +149,7 @@ class MpiBackend:
         check_equal_split("all_gather", out, t, self.world_size)
         send, recv = self._to_mpi(t), self._from_mpi(out)
         self.stats.record("all_gather", t.numel() * t.element_size(), self.world_size)
+        self._ready(send, recv)
         self.comm.Allgather(_wire(send), _wire(recv))
         if recv is not out:
             out.copy_(recv)
@@ -148,6 +159,7 @@ class MpiBackend:
         check_equal_split("all_to_all", out, t, self.world_size)
         send, recv = self._to_mpi(t), self._from_mpi(out)
         self.stats.record("all_to_all", t.numel() * t.element_size(), self.world_size)
+        self._ready(send, recv)
         self.comm.Alltoall(_wire(send), _wire(recv))
         if recv is not out:
             out.copy_(recv)
@@ -159,6 +171,7 @@ class MpiBackend:
         self._check_contiguous("broadcast", t)
         host = self._to_mpi(t)
         self.stats.record("broadcast", t.numel() * t.element_size(), self.world_size)
+        self._ready(host)
         self.comm.Bcast(_wire(host), root=src)
         if host is not t:
             t.copy_(host)
