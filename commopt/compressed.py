@@ -127,9 +127,8 @@ def compressed_allreduce(
     x = tensor.reshape(-1).float()
     chunk_bytes = padded // (8 * n)
 
-    # 1–2. c = pad(x) + e; s = ‖c‖/√N.
-    c = torch.empty(padded, dtype=torch.float32, device=x.device)
-    s = kernels.compensate(x, worker_error, c) if padded else torch.zeros(1, device=x.device)
+    # 1–2. s = ‖pad(x) + e‖/√N; c = pad(x) + e is not stored (step 4 recomputes it, exactly).
+    s = kernels.scale(x, worker_error) if padded else torch.zeros(1, device=x.device)
 
     # 3. phase 1a: (s, L) from everyone; agree on L and finiteness before touching e.
     meta = torch.tensor(
@@ -155,8 +154,7 @@ def compressed_allreduce(
 
     # 4. e ← c − s·sgn(c); signs packed MSB first, chunk j for rank j.
     bits = torch.empty(padded // 8, dtype=torch.uint8, device=x.device)
-    kernels.pack_worker_(c, s, worker_error, bits)
-    del c
+    kernels.pack_compensated_(x, s, worker_error, bits)
 
     # 5. phase 1b: row i of recv = worker i's signs for my server chunk.
     recv = torch.empty(n, chunk_bytes, dtype=torch.uint8, device=x.device)

@@ -4,6 +4,9 @@ A kernel set implements four functions (SPEC §1; N padded length, M = N/n the s
 
 - ``compensate(x, e, c) -> s``: c = pad(x) + e; s = ‖c‖₂/√N as a 1-element fp32 tensor.
 - ``pack_worker_(c, s, e, bits)``: bits = pack(c ≥ 0), MSB first; e ← c − s·sgn(c).
+- ``scale(x, e) -> s`` and ``pack_compensated_(x, s, e, bits)``: the same two steps without an
+  N-element c: s from pad(x) + e computed on the fly, then c recomputed (the same fp32 add) while
+  packing. :func:`commopt.compressed_allreduce` uses this pair; x must not change in between.
 - ``server_reduce_(recv_bits[n, M/8], scales[n], f, bits) -> t``:
   a = (Σ_i s_i·sgn_i)/n summed in rank order; c_s = a + f; t = ‖c_s‖₂/√M;
   bits = pack(c_s ≥ 0); f ← c_s − t·sgn(c_s).
@@ -47,6 +50,12 @@ class Kernels(Protocol):
 
     def pack_worker_(
         self, c: torch.Tensor, s: torch.Tensor, worker_error: torch.Tensor, bits: torch.Tensor
+    ) -> None: ...
+
+    def scale(self, x: torch.Tensor, worker_error: torch.Tensor) -> torch.Tensor: ...
+
+    def pack_compensated_(
+        self, x: torch.Tensor, s: torch.Tensor, worker_error: torch.Tensor, bits: torch.Tensor
     ) -> None: ...
 
     def server_reduce_(

@@ -6,7 +6,9 @@ The CUDA C sources live in the repository's top-level ``cuda/`` folder (``worker
 :class:`CupyKernels` call is a handful of kernel launches:
 
 - ``compensate``: one fused pass c = pad(x) + e with per-block fp64 partial sums of c², then one
-  single-block kernel that reduces the partials in a fixed order to s = √(Σc²)/√N.
+  single-block kernel that reduces the partials in a fixed order to s = √(Σc²)/√N. ``scale``
+  is the same without storing c, and ``pack_compensated_`` recomputes c while it packs (the
+  pair :func:`commopt.compressed_allreduce` uses: no N-element temporary).
 - ``pack_worker_``: one pass; a warp ballot packs 32 signs into 4 bytes, MSB first, while each
   thread writes e ← c − s·sgn(c). s is read on the device: no host round trip.
 - ``server_reduce_``: one pass from the n received bit rows straight to c_s = a/n + f (stored in
@@ -127,6 +129,41 @@ class CupyKernels:
             )
             self._rms(launch, partial, blocks, n, s)
         return s
+
+    def scale(self, x: torch.Tensor, worker_error: torch.Tensor) -> torch.Tensor:
+        r"""Steps 1–2 without storing c: s = ‖pad(x) + e‖₂/√N (1-element fp32, on the device)."""
+        if not (_plain(x, worker_error) and x.dtype == worker_error.dtype == torch.float32):
+            return self._reference.scale(x, worker_error)
+        n = worker_error.numel()
+        blocks = _blocks(n)
+        partial = torch.empty(blocks, dtype=torch.float64, device=x.device)
+        s = torch.empty(1, dtype=torch.float32, device=x.device)
+        with _Launch(worker_error) as launch:
+            launch.kernel("worker.cu", "commopt_scale")(
+                (blocks,),
+                (_THREADS,),
+                (_cp(x), np.int64(x.numel()), _cp(worker_error), np.int64(n), _cp(partial)),
+            )
+            self._rms(launch, partial, blocks, n, s)
+        return s
+
+    def pack_compensated_(
+        self, x: torch.Tensor, s: torch.Tensor, worker_error: torch.Tensor, bits: torch.Tensor
+    ) -> None:
+        r"""Steps 1, 3–4 in one pass: c = pad(x) + e; bits = pack(c ≥ 0); e ← c − s·sgn(c)."""
+        s = s.to(device=worker_error.device, dtype=torch.float32).reshape(1)
+        if not (
+            _plain(x, s, worker_error, bits) and x.dtype == worker_error.dtype == torch.float32
+        ):
+            return self._reference.pack_compensated_(x, s, worker_error, bits)
+        n = worker_error.numel()
+        with _Launch(worker_error) as launch:
+            launch.kernel("worker.cu", "commopt_pack_compensated")(
+                (_blocks(n),),
+                (_THREADS,),
+                (_cp(x), np.int64(x.numel()), _cp(s), _cp(worker_error), _cp(bits), np.int64(n)),
+            )
+        return None
 
     def _pack(
         self, launch: _Launch, c: torch.Tensor, s: torch.Tensor, e: torch.Tensor, bits: torch.Tensor

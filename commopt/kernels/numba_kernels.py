@@ -77,110 +77,122 @@ def _sum_squares(a):  # pragma: no cover - compiled
     return acc
 
 
-# The loops below work on one block at a time through slices, which start at index 0: numba then
-# knows every index is non-negative (no wrap-around check) and LLVM vectorises the loops.
+@_jit_sum
+def _scale_sum(x, e):  # pragma: no cover - compiled
+    """Σ (pad(x) + e)² (fp64, summed in any order), without storing pad(x) + e."""
+    n_true = x.size
+    acc = 0.0
+    for i in range(n_true):
+        d = np.float64(x[i] + e[i])
+        acc += d * d
+    pad_e = e[n_true:]
+    for i in range(pad_e.size):
+        d = np.float64(pad_e[i])
+        acc += d * d
+    return acc
+
+
+# The loops below run over one block at a time through slices, which start at index 0: numba
+# then knows every index is non-negative (no wrap-around check) and LLVM vectorises each loop.
+# Bit tricks, on one uint64 holding 8 flag bytes (little-endian: byte j ↔ element 8k + j):
+# - pack: flags 0/1 times 0x8040201008040201 puts flag j (bit 8j) at bit 63 − j and no two
+#   partial products share a bit (8j − 9i is distinct for every pair), so nothing carries and
+#   the top byte is the packed byte, element 8k in its most significant bit;
+# - spread: byte·0x0101010101010101 copies the byte into all 8 lanes; & 0x0102040810204080
+#   keeps bit 7 − j in lane j, so lane j is non-zero exactly when element 8k + j is set.
+_PACK = np.uint64(0x8040201008040201)
+_REPEAT = np.uint64(0x0101010101010101)
+_SPREAD = np.uint64(0x0102040810204080)
 
 
 @_jit
-def _signed(s):  # pragma: no cover - compiled
-    """(+s, −s) as the reference forms them: 2s·1 − s and 2s·0 − s, in fp32."""
+def _pack_update(c, s, e, bits, in_place):  # pragma: no cover - compiled
+    """bits = pack(c ≥ 0), MSB first; e ← c − (2s·[c ≥ 0] − s).
+
+    ``in_place`` means ``e`` is ``c`` (the server's f holding c_s); otherwise they must not
+    overlap. ±s is formed as the reference forms it: 2s·1 − s and 2s·0 − s.
+    """
     s = np.float32(s)
     two_s = np.float32(2.0) * s
-    return two_s - s, np.float32(0.0) - s
+    plus = two_s - s
+    minus = np.float32(0.0) - s
+    zero = np.float32(0.0)
+    flags = np.empty(_BLOCK, dtype=np.uint8)
+    flags64 = flags.view(np.uint64)
+    n_bytes = bits.size
+    for b0 in range(0, n_bytes, _BLOCK // 8):
+        b1 = min(n_bytes, b0 + _BLOCK // 8)
+        cb = c[8 * b0 : 8 * b1]
+        fb = flags[: cb.size]
+        for i in range(cb.size):
+            fb[i] = np.uint8(1) if cb[i] >= zero else np.uint8(0)  # ±0 count as ≥ 0
+        f64 = flags64[: b1 - b0]
+        bb = bits[b0:b1]
+        for k in range(bb.size):
+            bb[k] = np.uint8((f64[k] * _PACK) >> np.uint64(56))
+        if in_place:
+            for i in range(cb.size):
+                v = cb[i]
+                cb[i] = v - (plus if v >= zero else minus)
+        else:
+            eb = e[8 * b0 : 8 * b1]
+            for i in range(cb.size):
+                v = cb[i]
+                eb[i] = v - (plus if v >= zero else minus)
 
 
 @_jit
-def _flags(c, flags):  # pragma: no cover - compiled
-    """flags[i] = 1 if c[i] ≥ 0 else 0 (both zeros count as ≥ 0)."""
-    for i in range(c.size):
-        flags[i] = np.uint8(1) if c[i] >= np.float32(0.0) else np.uint8(0)
+def _pack_compensated(x, s, e, bits):  # pragma: no cover - compiled
+    """c = pad(x) + e, block by block into an L1 scratch; bits = pack(c ≥ 0); e ← c − s·sgn(c).
 
-
-@_jit
-def _gather_bytes(flags64, bits):  # pragma: no cover - compiled
-    """bits[k] = the 8 flag bytes of flags64[k] (each 0 or 1) as one byte, first flag in the MSB.
-
-    Multiplying by 0x8040201008040201 moves flag j (bit 8j) to bit 63 − j; no two partial
-    products share a bit, so nothing carries and the top byte is the packed result.
+    The same operations as :func:`_compensate` followed by :func:`_pack_update`, without the
+    N-element c: x and e are read once, e and the bits written once.
     """
-    magic = np.uint64(0x8040201008040201)
-    shift = np.uint64(56)
-    for k in range(bits.size):
-        bits[k] = np.uint8((flags64[k] * magic) >> shift)
-
-
-@_jit
-def _spread_bytes(bits, flags64):  # pragma: no cover - compiled
-    """flags64[k] = the 8 bits of bits[k], MSB first, one per byte (zero or non-zero)."""
-    repeat = np.uint64(0x0101010101010101)
-    select = np.uint64(0x0102040810204080)  # byte j keeps bit 7 − j
-    for k in range(bits.size):
-        flags64[k] = (np.uint64(bits[k]) * repeat) & select
-
-
-@_jit
-def _error_update(c, plus, minus, e):  # pragma: no cover - compiled
-    """e = c − (+s if c ≥ 0 else −s); ``e`` must not overlap ``c`` (see _error_update_inplace)."""
-    for i in range(c.size):
-        v = c[i]
-        e[i] = v - (plus if v >= np.float32(0.0) else minus)
-
-
-@_jit
-def _error_update_inplace(c, plus, minus):  # pragma: no cover - compiled
-    """c = c − (+s if c ≥ 0 else −s)."""
-    for i in range(c.size):
-        v = c[i]
-        c[i] = v - (plus if v >= np.float32(0.0) else minus)
-
-
-@_jit
-def _pack_update(c, s, e, bits):  # pragma: no cover - compiled
-    """bits = pack(c ≥ 0), MSB first; e ← c − s·sgn(c); ``e`` does not overlap ``c``."""
-    plus, minus = _signed(s)
+    s = np.float32(s)
+    two_s = np.float32(2.0) * s
+    plus = two_s - s
+    minus = np.float32(0.0) - s
+    zero = np.float32(0.0)
+    c = np.empty(_BLOCK, dtype=np.float32)
     flags = np.empty(_BLOCK, dtype=np.uint8)
     flags64 = flags.view(np.uint64)
+    n_true = x.size
     n_bytes = bits.size
     for b0 in range(0, n_bytes, _BLOCK // 8):
         b1 = min(n_bytes, b0 + _BLOCK // 8)
-        cb = c[8 * b0 : 8 * b1]
-        _flags(cb, flags[: cb.size])
-        _gather_bytes(flags64[: b1 - b0], bits[b0:b1])
-        _error_update(cb, plus, minus, e[8 * b0 : 8 * b1])
-
-
-@_jit
-def _pack_update_inplace(c, s, bits):  # pragma: no cover - compiled
-    """bits = pack(c ≥ 0), MSB first; c ← c − s·sgn(c) (the server error holding c_s)."""
-    plus, minus = _signed(s)
-    flags = np.empty(_BLOCK, dtype=np.uint8)
-    flags64 = flags.view(np.uint64)
-    n_bytes = bits.size
-    for b0 in range(0, n_bytes, _BLOCK // 8):
-        b1 = min(n_bytes, b0 + _BLOCK // 8)
-        cb = c[8 * b0 : 8 * b1]
-        _flags(cb, flags[: cb.size])
-        _gather_bytes(flags64[: b1 - b0], bits[b0:b1])
-        _error_update_inplace(cb, plus, minus)
-
-
-@_jit
-def _accumulate_signed(flags, plus, minus, acc):  # pragma: no cover - compiled
-    """acc[j] += (+s if flags[j] else −s)."""
-    for j in range(acc.size):
-        acc[j] += plus if flags[j] != 0 else minus
-
-
-@_jit
-def _average_compensate(acc, n, f):  # pragma: no cover - compiled
-    """f[j] = acc[j]/n + f[j] (two fp32 roundings, as the reference)."""
-    for j in range(acc.size):
-        f[j] = acc[j] / n + f[j]
+        lo = 8 * b0
+        eb = e[lo : 8 * b1]
+        cb = c[: eb.size]
+        n_x = min(max(n_true - lo, 0), eb.size)  # elements of this block that have an x
+        if n_x == eb.size:
+            xb = x[lo : lo + n_x]
+            for i in range(n_x):
+                cb[i] = xb[i] + eb[i]
+        else:
+            for i in range(n_x):
+                cb[i] = x[lo + i] + eb[i]
+            for i in range(n_x, eb.size):
+                cb[i] = eb[i]
+        fb = flags[: cb.size]
+        for i in range(cb.size):
+            fb[i] = np.uint8(1) if cb[i] >= zero else np.uint8(0)  # ±0 count as ≥ 0
+        f64 = flags64[: b1 - b0]
+        bb = bits[b0:b1]
+        for k in range(bb.size):
+            bb[k] = np.uint8((f64[k] * _PACK) >> np.uint64(56))
+        for i in range(cb.size):
+            v = cb[i]
+            eb[i] = v - (plus if v >= zero else minus)
 
 
 @_jit
 def _server_average(recv, scales, f):  # pragma: no cover - compiled
-    """f ← c_s = (Σ_i ±s_i in rank order)/n + f, block by block; returns Σ c_s² (fp64)."""
+    """f ← c_s = (Σ_i ±s_i in rank order)/n + f, block by block; returns Σ c_s² (fp64).
+
+    Per block: for each worker row i, spread its bytes to flags and add ±s_i into an
+    L1-resident accumulator (rank order, one fp32 add each); then one fp32 division by n and
+    one fp32 add of f. The n·(N/n) unpacked values never exist.
+    """
     n, chunk_bytes = recv.shape
     acc = np.empty(_BLOCK, dtype=np.float32)
     flags = np.empty(_BLOCK, dtype=np.uint8)
@@ -192,26 +204,27 @@ def _server_average(recv, scales, f):  # pragma: no cover - compiled
         m = 8 * (b1 - b0)
         a = acc[:m]
         a[:] = np.float32(0.0)
+        fl = flags[:m]
         for i in range(n):
-            plus, minus = _signed(scales[i])
-            _spread_bytes(recv[i, b0:b1], flags64)
-            _accumulate_signed(flags[:m], plus, minus, a)
+            s = scales[i]
+            two_s = np.float32(2.0) * s
+            plus = two_s - s
+            minus = np.float32(0.0) - s
+            row = recv[i, b0:b1]
+            for k in range(row.size):
+                flags64[k] = (np.uint64(row[k]) * _REPEAT) & _SPREAD
+            for j in range(m):
+                a[j] += plus if fl[j] != 0 else minus
         fb = f[8 * b0 : 8 * b1]
-        _average_compensate(a, n32, fb)
+        for j in range(m):
+            fb[j] = a[j] / n32 + fb[j]
         total += _sum_squares(fb)
     return total
 
 
 @_jit
-def _select_signed(flags, plus, minus, out):  # pragma: no cover - compiled
-    """out[j] = +s if flags[j] else −s."""
-    for j in range(out.size):
-        out[j] = plus if flags[j] != 0 else minus
-
-
-@_jit
 def _unpack(bits, scales, out):  # pragma: no cover - compiled
-    """out[q] = t_j·sgn(bit q) for the first out.size elements of the [n, M/8] bit rows."""
+    """out[q] = 2t_j·bit(q) − t_j for the first out.size elements of the [n, M/8] bit rows."""
     n, chunk_bytes = bits.shape
     flags = np.empty(_BLOCK, dtype=np.uint8)
     flags64 = flags.view(np.uint64)
@@ -221,16 +234,23 @@ def _unpack(bits, scales, out):  # pragma: no cover - compiled
         lo = row * chunk
         if lo >= n_true:
             break
-        plus, minus = _signed(scales[row])
+        t = scales[row]
+        two_t = np.float32(2.0) * t
+        plus = two_t - t
+        minus = np.float32(0.0) - t
         hi = min(n_true, lo + chunk)
         for b0 in range(0, chunk_bytes, _BLOCK // 8):
             q0 = lo + 8 * b0
             if q0 >= hi:
                 break
             b1 = min(chunk_bytes, b0 + _BLOCK // 8)
-            q1 = min(hi, lo + 8 * b1)
-            _spread_bytes(bits[row, b0:b1], flags64)
-            _select_signed(flags[: q1 - q0], plus, minus, out[q0:q1])
+            rb = bits[row, b0:b1]
+            for k in range(rb.size):
+                flags64[k] = (np.uint64(rb[k]) * _REPEAT) & _SPREAD
+            ob = out[q0 : min(hi, lo + 8 * b1)]
+            fl = flags[: ob.size]
+            for j in range(ob.size):
+                ob[j] = plus if fl[j] != 0 else minus
 
 
 def _rms(sum_squares: float, numel: int) -> torch.Tensor:
@@ -275,13 +295,28 @@ class NumbaKernels:
         sum_squares = _compensate(_np(x).reshape(-1), _np(worker_error), _np(c))
         return _rms(sum_squares, c.numel())
 
+    def scale(self, x: torch.Tensor, worker_error: torch.Tensor) -> torch.Tensor:
+        r"""Steps 1–2 without storing c: s = ‖pad(x) + e‖₂/√N (1-element fp32 tensor)."""
+        if not (_plain(x, worker_error) and x.dtype == worker_error.dtype == torch.float32):
+            return self._reference.scale(x, worker_error)
+        return _rms(_scale_sum(_np(x).reshape(-1), _np(worker_error)), worker_error.numel())
+
+    def pack_compensated_(
+        self, x: torch.Tensor, s: torch.Tensor, worker_error: torch.Tensor, bits: torch.Tensor
+    ) -> None:
+        r"""Steps 1, 3–4 in one pass: c = pad(x) + e; bits = pack(c ≥ 0); e ← c − s·sgn(c)."""
+        if not (_plain(x, worker_error, bits) and x.dtype == worker_error.dtype == torch.float32):
+            return self._reference.pack_compensated_(x, s, worker_error, bits)
+        _pack_compensated(_np(x).reshape(-1), np.float32(s.item()), _np(worker_error), _np(bits))
+        return None
+
     def pack_worker_(
         self, c: torch.Tensor, s: torch.Tensor, worker_error: torch.Tensor, bits: torch.Tensor
     ) -> None:
         r"""Steps 3–4: bits = pack(c ≥ 0) MSB first; e ← c − s·sgn(c)."""
         if not (_plain(c, worker_error, bits) and c.dtype == worker_error.dtype == torch.float32):
             return self._reference.pack_worker_(c, s, worker_error, bits)
-        _pack_update(_np(c), np.float32(s.item()), _np(worker_error), _np(bits))
+        _pack_update(_np(c), np.float32(s.item()), _np(worker_error), _np(bits), False)
         return None
 
     def server_reduce_(
@@ -301,7 +336,7 @@ class NumbaKernels:
         f = _np(server_error)
         sum_squares = _server_average(_np(recv_bits), _np(scales), f)
         t = _rms(sum_squares, f.size)
-        _pack_update_inplace(f, t.numpy()[0], _np(bits))  # f holds c_s here
+        _pack_update(f, t.numpy()[0], f, _np(bits), True)  # f holds c_s: in place
         return t
 
     def unpack_scaled_(self, bits: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> None:

@@ -66,6 +66,20 @@ class TorchKernels:
         c[n_true:] = worker_error[n_true:]
         return _rms(c)
 
+    def scale(self, x: torch.Tensor, worker_error: torch.Tensor) -> torch.Tensor:
+        """Steps 1–2 when c is not kept: s = ‖pad(x) + e‖₂/√N (here c is a temporary)."""
+        return self.compensate(x, worker_error, torch.empty_like(worker_error))
+
+    def pack_compensated_(
+        self, x: torch.Tensor, s: torch.Tensor, worker_error: torch.Tensor, bits: torch.Tensor
+    ) -> None:
+        """Steps 1, 3–4: c = pad(x) + e recomputed, then :meth:`pack_worker_` on it."""
+        c = torch.empty_like(worker_error)
+        n_true = x.numel()
+        torch.add(x, worker_error[:n_true], out=c[:n_true])
+        c[n_true:] = worker_error[n_true:]
+        self.pack_worker_(c, s, worker_error, bits)
+
     def pack_worker_(
         self, c: torch.Tensor, s: torch.Tensor, worker_error: torch.Tensor, bits: torch.Tensor
     ) -> None:

@@ -20,10 +20,14 @@ Variants timed:
   :func:`commopt.compressed_allreduce` does; first-touch page faults on a fresh 64 MB tensor
   are part of that cost.
 
+It also times the numba kernels' first call in ``--compile-ranks`` fresh processes started
+together (as ranks are), twice: with an empty cache (every process compiles) and again with the
+cache those runs left (every process loads the machine code from disk).
+
 Usage::
 
     python experiments/kernels/bench_cpu_kernels.py [--numel 16777216] [--world-size 4]
-        [--rounds 7] [--json out.json]
+        [--rounds 7] [--compile-ranks 4] [--json out.json]
 """
 
 from __future__ import annotations
@@ -33,6 +37,9 @@ import json
 import os
 import platform
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 
 import numpy as np
@@ -99,6 +106,43 @@ def _buffers(numel: int, n: int, seed: int = 0) -> dict:
     }
 
 
+_FIRST_CALL = """
+import time
+t0 = time.perf_counter()
+import torch
+from commopt.kernels.numba_kernels import NumbaKernels
+t1 = time.perf_counter()
+k = NumbaKernels()
+x, e, f = torch.randn(100), torch.zeros(128), torch.zeros(32)
+c, bits, sbits = torch.empty(128), torch.empty(16, dtype=torch.uint8), torch.empty(4, dtype=torch.uint8)
+s = k.compensate(x, e, c)
+k.pack_worker_(c, s, e, bits)
+t = k.server_reduce_(bits.view(4, 4), torch.ones(4), f, sbits)
+k.unpack_scaled_(bits.view(4, 4), torch.ones(4), torch.empty(100))
+t2 = time.perf_counter()
+print(t1 - t0, t2 - t1)
+"""
+
+
+def _first_calls(ranks: int, cache_dir: str) -> list[tuple[float, float]]:
+    """(import s, first-call s) in each of ``ranks`` processes started together."""
+    env = dict(os.environ, NUMBA_CACHE_DIR=cache_dir)
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _FIRST_CALL], env=env, stdout=subprocess.PIPE, text=True
+        )
+        for _ in range(ranks)
+    ]
+    out = []
+    for p in procs:
+        stdout, _ = p.communicate(timeout=600)
+        if p.returncode != 0:
+            raise RuntimeError(f"first-call probe failed with exit code {p.returncode}")
+        imp, first = (float(v) for v in stdout.split())
+        out.append((imp, first))
+    return out
+
+
 def _cpu_name() -> str:
     try:
         with open("/proc/cpuinfo") as fh:
@@ -115,6 +159,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--numel", type=int, default=1 << 24)
     parser.add_argument("--world-size", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--compile-ranks", type=int, default=4, help="0 skips the compile timing")
     parser.add_argument("--json", default=None, help="also write the results here")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
@@ -186,6 +231,18 @@ def main(argv: list[str] | None = None) -> dict:
                 f"{name:16s}"
                 + "".join(f"{med[st] * 1e3:10.1f} |{med[st] / yard:6.2f}" for st in STAGES)
             )
+    if args.compile_ranks and first_call is not None:
+        with tempfile.TemporaryDirectory() as cache:
+            cold = _first_calls(args.compile_ranks, cache)
+            warm = _first_calls(args.compile_ranks, cache)
+        result["first_call_s"] = {"cold_cache": cold, "warm_cache": warm}
+        print(
+            f"\nnumba first call in {args.compile_ranks} processes started together (s, per process):"
+        )
+        for label, runs in (("empty cache (compile)", cold), ("cache filled (load)", warm)):
+            imports = ", ".join(f"{imp:.2f}" for imp, _ in runs)
+            firsts = ", ".join(f"{first:.2f}" for _, first in runs)
+            print(f"  {label:22s} import torch+numba: {imports};  first call: {firsts}")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(result, fh, indent=2)

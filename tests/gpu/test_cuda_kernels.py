@@ -87,6 +87,27 @@ def test_worker_kernels_match_cpu(size, n):
     np.testing.assert_array_equal(raw(e_gpu), raw(e_cpu))
 
 
+@pytest.mark.parametrize("size,n", CASES)
+def test_scale_and_pack_compensated_match_cpu(size, n):
+    """The pair compressed_allreduce uses (no stored c) against the CPU reference pair."""
+    rng = np.random.default_rng(size * 17 + n)
+    padded = padded_size(size, n)
+    x_cpu, x_gpu = cpu_and_gpu(values(rng, size))
+    e_cpu, e_gpu = cpu_and_gpu(values(rng, padded) * F32(0.01))
+    c = e_cpu.clone()
+    c[:size] += x_cpu
+    s_gpu = GPU.scale(x_gpu, e_gpu)
+    assert s_gpu.device.type == "cuda" and s_gpu.shape == (1,)
+    assert within_one_ulp(s_gpu.item(), exact_rms(c.numpy()))
+    s = s_gpu.cpu()
+    b_cpu = torch.empty(padded // 8, dtype=torch.uint8)
+    b_gpu = torch.empty(padded // 8, dtype=torch.uint8, device=DEV)
+    CPU.pack_compensated_(x_cpu, s, e_cpu, b_cpu)
+    GPU.pack_compensated_(x_gpu, s.to(DEV), e_gpu, b_gpu)
+    np.testing.assert_array_equal(raw(b_gpu), raw(b_cpu))
+    np.testing.assert_array_equal(raw(e_gpu), raw(e_cpu))
+
+
 @pytest.mark.parametrize(
     "n,chunk_bytes", [(1, 1), (2, 3), (3, 4097), (4, 1 << 17), (7, 5001), (16, 999)]
 )

@@ -22,7 +22,13 @@ needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH; canno
 
 # extern "C" entry points the Python side (commopt/kernels/cupy_kernels.py) launches, per file.
 ENTRIES = {
-    "worker.cu": {"commopt_compensate", "commopt_finish_rms", "commopt_pack_update"},
+    "worker.cu": {
+        "commopt_compensate",
+        "commopt_scale",
+        "commopt_finish_rms",
+        "commopt_pack_update",
+        "commopt_pack_compensated",
+    },
     "server.cu": {"commopt_server_average"},
     "unpack.cu": {"commopt_unpack_scaled"},
 }

@@ -108,6 +108,21 @@ def test_fast_kernels_match_reference(size, n, seed, spread):
         np.testing.assert_array_equal(b_fast.numpy(), np.packbits(c_ref.numpy() >= 0))
         np.testing.assert_array_equal(bits_of(e_fast), bits_of(e_ref))
 
+    # The pair compressed_allreduce uses, with no stored c: the same s (to an ulp) and, given
+    # the same s, the same bytes and e as compensate + pack_worker_ of the reference.
+    s_pair = FAST.scale(t32(x), t32(e0))
+    assert_within_one_ulp(s_pair.item(), exact_rms(c_ref.numpy()))
+    assert torch.equal(REF.scale(t32(x), t32(e0)), s_ref)
+    e_ref = t32(e0)
+    b_ref = torch.empty(padded // 8, dtype=torch.uint8)
+    REF.pack_worker_(c_ref.clone(), s_pair.clone(), e_ref, b_ref)
+    for kernels in (FAST, REF):
+        e_pair = t32(e0)
+        b_pair = torch.empty(padded // 8, dtype=torch.uint8)
+        kernels.pack_compensated_(t32(x), s_pair.clone(), e_pair, b_pair)
+        np.testing.assert_array_equal(b_pair.numpy(), b_ref.numpy())
+        np.testing.assert_array_equal(bits_of(e_pair), bits_of(e_ref))
+
     # server_reduce_: rows of random bytes, scales that include 0 and repeats.
     recv = rng.integers(0, 256, (n, chunk // 8), dtype=np.uint8)
     scales = np.abs(values(rng, n, min(spread, 10))).astype(F32)
