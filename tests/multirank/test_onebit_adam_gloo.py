@@ -121,6 +121,10 @@ def _lockstep(backend):
         "per_step": per_step,
         "buckets": bucket_numels,
         "masked_zero": masked_zero,
+        "rounds": (
+            opt.comm_stats()["full_precision_rounds"],
+            opt.comm_stats()["compressed_rounds"],
+        ),
     }
 
 
@@ -161,6 +165,7 @@ def test_four_ranks_warmup_replicas_and_call_count():
     # (four collectives) per bucket afterwards; plus the one flag all-reduce of every step.
     buckets = r0["buckets"]
     assert len(buckets) >= 3
+    assert r0["rounds"] == (WARMUP * len(buckets), COMPRESSED * len(buckets))
     flag_bytes = model_bytes("all_reduce", 2 * 8, n)
     for res in results:
         for t, (ops, nbytes, calls) in enumerate(res["per_step"], start=1):
