@@ -53,8 +53,8 @@ def parse_bytes(text: str) -> int:
 
 def human_bytes(n: int) -> str:
     for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= scale and n % scale == 0:
-            return f"{n // scale}{unit}"
+        if n >= scale:
+            return f"{n // scale}{unit}" if n % scale == 0 else f"{n / scale:.1f}{unit}"
     return f"{n}B"
 
 
@@ -179,15 +179,20 @@ def busbw(case: Case, seconds: float) -> float:
 
 
 def progress(total: int, rank: int, enabled: bool, desc: str) -> Any:
-    """A tqdm bar on rank 0 (stderr); a silent stand-in elsewhere or without tqdm."""
-    if enabled and rank == 0:
+    """Progress on rank 0's stderr: a tqdm bar on a terminal; elsewhere (mpirun forwards output
+    through pipes, and a bar redrawn with carriage returns never reaches the screen) one line
+    every 10 seconds. A silent stand-in on other ranks or when disabled.
+    """
+    if not enabled or rank != 0:
+        return _NoBar()
+    if sys.stderr.isatty():
         try:
             from tqdm import tqdm
 
             return tqdm(total=total, desc=desc, unit="pt", file=sys.stderr, dynamic_ncols=True)
         except ImportError:
             pass
-    return _NoBar()
+    return _LineBar(total, desc)
 
 
 class _NoBar:
@@ -199,6 +204,28 @@ class _NoBar:
 
     def close(self) -> None:
         pass
+
+
+class _LineBar(_NoBar):
+    def __init__(self, total: int, desc: str, every: float = 10.0) -> None:
+        self.total, self.desc, self.every = total, desc, every
+        self.done, self.what = 0, ""
+        self.start = self.last = time.perf_counter()
+
+    def set_postfix_str(self, s: str) -> None:
+        self.what = s
+
+    def update(self, n: int = 1) -> None:
+        self.done += n
+        now = time.perf_counter()
+        if now - self.last >= self.every or self.done == self.total:
+            self.last = now
+            print(
+                f"{self.desc}: {self.done}/{self.total} points, {now - self.start:.0f} s "
+                f"({self.what})",
+                file=sys.stderr,
+                flush=True,
+            )
 
 
 def parse_list(text: str, allowed: Iterable[str], what: str) -> list[str]:
