@@ -147,3 +147,23 @@ def test_mixed_over_two_gloo_groups_and_table_correction():
         numel = 64 if i % 2 else 4096
         want = 2 * torch.arange(numel, dtype=torch.float32) + i
         assert torch.equal(a, want) and torch.equal(b, want), i
+
+
+def _workload(backend):
+    from commopt.cli.main import main
+
+    args = "--workload onebit_adam --numel 20K --steps 5 --freeze-step 2 --no-progress"
+    return main(["bench", *args.split()])
+
+
+def test_bench_workload_runs_warmup_and_compression(capfd):
+    assert run_ranks(_workload, 2, timeout=240) == [0, 0]
+    out = capfd.readouterr().out
+    assert "OnebitAdam workload: 20480 parameters in 19 tensors, 5 steps (2 warmup), 2 ranks" in out
+    line = next(x for x in out.splitlines() if x.strip().startswith("torch:"))
+    fields = dict(kv.split("=") for kv in line.split(":", 1)[1].strip().split(", "))
+    assert float(fields["warmup_step_ms"]) > 0 and float(fields["compressed_step_ms"]) > 0
+    assert float(fields["max_abs_diff_vs_torch"]) == 0.0
+    # 5 steps; each has a flag all-reduce, warmup steps a dense all-reduce per bucket, compressed
+    # steps four collectives per bucket: well over 5 calls, and a barrier per step is not counted.
+    assert int(fields["calls"]) >= 5 * 2
