@@ -16,11 +16,12 @@ this module holds the plumbing they have in common, so none of them repeats it:
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import logging
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
 
 import torch
@@ -271,7 +272,8 @@ class CompressedOptimizer(torch.optim.Optimizer):
             return
         if comm.get("world_size") != be.world_size:
             warnings.warn(
-                f"checkpoint was saved at world size {comm.get('world_size')}, now {be.world_size}: "
+                f"checkpoint was saved at world size {comm.get('world_size')}, now "
+                f"{be.world_size}: "
                 "the per-rank error buffers are reset to zero (everything else is restored)",
                 stacklevel=3,
             )
@@ -415,11 +417,64 @@ class CompressedOptimizer(torch.optim.Optimizer):
         if not self._preflight(collective):
             if not collective:  # a local step: the shared schedule still moves on
                 self.global_state["step"] = step
-                self._skip_local(step)
+                with self._master_weights():
+                    self._skip_local(step)
             return loss
+        self._unscale_grads()
         self.global_state["step"] = step
-        self._step(step)
+        with self._master_weights():
+            self._step(step)
         return loss
+
+    # -- mixed precision ----------------------------------------------------------------------
+    #: ``GradScaler.step(opt)`` calls ``step()`` on every rank, with ``grad_scale`` set, instead
+    #: of skipping it on the ranks that found an inf locally (which would leave the others
+    #: waiting in the step's all-reduce): the agreement on non-finite gradients is ours.
+    _step_supports_amp_scaling = True
+
+    def _unscale_grads(self) -> None:
+        """Under ``GradScaler.step(opt)``: g ← g / scale, in place (as ``scaler.unscale_``).
+
+        GradScaler sets ``self.grad_scale`` only when it has not unscaled the gradients itself
+        (a user's ``scaler.unscale_(opt)`` for clipping leaves it unset).
+        """
+        scale = getattr(self, "grad_scale", None)
+        if scale is None:
+            return
+        inv = scale.double().reciprocal().float() if torch.is_tensor(scale) else 1.0 / scale
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.grad.mul_(inv.to(p.grad.device) if torch.is_tensor(inv) else inv)
+
+    @contextlib.contextmanager
+    def _master_weights(self) -> Iterator[None]:
+        """Inside: every non-fp32 parameter's data is its fp32 master copy (flat state
+        ``"master"``), so the algorithm runs in fp32; on exit the parameter is rounded from it.
+
+        The master copy starts as the parameter's value and is saved in ``state_dict()``, so a
+        resumed run continues from the unrounded weights.
+        """
+        swapped: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for bi, bucket in enumerate(self._buckets or []):
+            if all(p.dtype == torch.float32 for p in bucket.params):
+                continue
+            fresh = {id(p) for p in bucket.params if "master" not in self.state[p]}
+            master = self._flat_buffer(bi, "master")
+            for p, view in zip(bucket.params, bucket.views(master), strict=True):
+                if p.dtype == torch.float32:
+                    self.state[p].pop("master", None)  # fp32 parameters are their own master
+                    continue
+                if id(p) in fresh:
+                    view.copy_(p)
+                swapped.append((p, p.data))
+                p.data = view
+        try:
+            yield
+        finally:
+            for p, low in swapped:
+                low.copy_(p.data)
+                p.data = low
 
     def state_dict(self) -> dict[str, Any]:
         """torch's ``state_dict`` plus ``"commopt"``: global state and this rank's error buffers."""

@@ -1,0 +1,249 @@
+"""Mixed precision and non-finite gradients: bf16 with fp32 master weights, fp16-style loss
+scaling with torch.amp.GradScaler, and an inf on one rank skipping the step on every rank."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import commopt
+from tests.multirank.harness import run_ranks
+
+TIMEOUT = 240
+
+FACTORIES = {
+    "OnebitAdam": lambda p: commopt.OnebitAdam(p, lr=1e-2, freeze_step=4),
+    "OnebitLamb": lambda p: commopt.OnebitLamb(p, lr=1e-2, freeze_step=4),
+    "ZeroOneAdam": lambda p: commopt.ZeroOneAdam(
+        p,
+        lr=1e-2,
+        var_freeze_step=4,
+        var_update_scaler=1,
+        local_step_scaler=2,
+        local_step_clipper=2,
+    ),
+}
+
+
+def _problem(dtype: torch.dtype, rank: int, step: int):
+    g = torch.Generator().manual_seed(50 * step + rank)
+    x = torch.randn(32, 8, generator=g)
+    w_true = torch.arange(8 * 3, dtype=torch.float32).reshape(8, 3) / 20 - 0.5
+    return x.to(dtype), (x @ w_true).to(dtype)
+
+
+def _gather(backend, t: torch.Tensor) -> torch.Tensor:
+    t = t.detach().float().reshape(-1)
+    out = torch.empty(backend.world_size * t.numel())
+    backend.all_gather(out, t)
+    return out.view(backend.world_size, -1)
+
+
+# -- bf16 parameters with fp32 master weights ----------------------------------------------------
+@pytest.mark.parametrize("name", sorted(FACTORIES))
+def test_bf16_master_weights_are_the_fp32_algorithm(name):
+    # One rank: the master weights of a bf16 model must be bit for bit what the same optimizer
+    # does to fp32 parameters fed the same (bf16-computed) gradients, and the parameters their
+    # bf16 rounding; through warmup and the compressed phase.
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 3).to(torch.bfloat16)
+    ref = [torch.nn.Parameter(p.detach().float().clone()) for p in model.parameters()]
+    opt = FACTORIES[name](model.parameters())
+    ref_opt = FACTORIES[name](ref)
+    for step in range(1, 10):
+        x, y = _problem(torch.bfloat16, 0, step)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        for r, p in zip(ref, model.parameters(), strict=True):
+            r.grad = p.grad.float()
+        opt.step()
+        ref_opt.step()
+    for r, p in zip(ref, model.parameters(), strict=True):
+        assert p.dtype == torch.bfloat16
+        master = opt.state[p]["master"]
+        assert master.dtype == torch.float32
+        assert torch.equal(master, r.detach())
+        assert torch.equal(p.detach(), r.detach().to(torch.bfloat16))
+        for key, value in ref_opt.state[r].items():
+            if torch.is_tensor(value) and value.is_floating_point():
+                assert opt.state[p][key].dtype == value.dtype, key
+                assert torch.equal(opt.state[p][key], value), key
+    # The master copy is what lets small updates count: it holds bits bf16 cannot.
+    assert any(
+        not torch.equal(opt.state[p]["master"].to(torch.bfloat16).float(), opt.state[p]["master"])
+        for p in model.parameters()
+    )
+
+
+def _run(backend, name: str, dtype: torch.dtype):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 3).to(dtype)
+    if name == "OnebitLamb":  # the trust ratio makes LAMB's steps small: a larger lr
+        opt = commopt.OnebitLamb(model.parameters(), lr=0.1, freeze_step=4)
+    else:
+        opt = FACTORIES[name](model.parameters())
+    losses = []
+    for step in range(1, 41):
+        x, y = _problem(dtype, backend.rank, step)
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x).float(), y.float())
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    w = model.weight
+    master = opt.state[w].get("master", w.detach())
+    return {
+        "losses": losses,
+        "dtype": str(w.dtype),
+        "master_dtype": str(master.dtype),
+        "rounded": torch.equal(w.detach(), master.to(dtype)),
+        "replicas": _gather(backend, torch.cat([p.reshape(-1) for p in model.parameters()])),
+        "masters": _gather(backend, master),
+    }
+
+
+@pytest.mark.parametrize("name", sorted(FACTORIES))
+def test_bf16_converges_and_replicas_stay_identical(name):
+    fp32 = run_ranks(_run, 2, name, torch.float32, timeout=TIMEOUT)
+    for r, r32 in zip(run_ranks(_run, 2, name, torch.bfloat16, timeout=TIMEOUT), fp32, strict=True):
+        assert r["dtype"] == "torch.bfloat16" and r["master_dtype"] == "torch.float32"
+        assert r["rounded"]
+        first, last = sum(r["losses"][:4]) / 4, sum(r["losses"][-4:]) / 4
+        last32 = sum(r32["losses"][-4:]) / 4
+        assert last < 0.5 * first, (first, last)
+        # about as good as fp32 (the bf16 forward pass itself is coarser)
+        assert last < 1.3 * last32 + 0.01, (last, last32)
+        assert torch.equal(r["replicas"][0], r["replicas"][1])
+        assert torch.equal(r["masters"][0], r["masters"][1])
+
+
+# -- loss scaling with GradScaler, and an inf on one rank ----------------------------------------
+def _scaled_run(backend, name: str, use_scaler: bool, inf_step: int):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 3)
+    opt = FACTORIES[name](model.parameters())
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16) if use_scaler else None
+    scales = []
+    for step in range(1, 13):
+        x, y = _problem(torch.float32, backend.rank, step)
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        (scaler.scale(loss) if scaler else loss).backward()
+        if step == inf_step and backend.rank == 1:
+            model.weight.grad[0, 0] = float("inf")  # an overflow on one rank only
+        if scaler:
+            scaler.step(opt)
+            scaler.update()
+            scales.append(float(scaler.get_scale()))
+        else:
+            opt.step()
+    return {
+        "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
+        "skipped": opt.comm_stats()["skipped_steps"],
+        "step": opt.global_state["step"],
+        "scales": scales,
+    }
+
+
+@pytest.mark.parametrize("name", ["OnebitAdam", "OnebitLamb"])
+def test_grad_scaler_is_exact_and_agrees_on_overflow(name):
+    # Scaling by a power of two and unscaling is exact, so scaler.step(opt) must reproduce the
+    # unscaled run bit for bit — including the step skipped on both ranks for rank 1's inf.
+    plain = run_ranks(_scaled_run, 2, name, False, 6, timeout=TIMEOUT)
+    scaled = run_ranks(_scaled_run, 2, name, True, 6, timeout=TIMEOUT)
+    for p, s in zip(plain, scaled, strict=True):
+        assert torch.equal(p["params"], s["params"])
+        assert p["skipped"] == s["skipped"] == 1
+        assert p["step"] == s["step"] == 11
+    assert torch.equal(scaled[0]["params"], scaled[1]["params"])
+    # GradScaler's own bookkeeping stays local: only rank 1 saw the inf and backed off.
+    assert scaled[0]["scales"][5] == 2.0**16 and scaled[1]["scales"][5] == 2.0**15
+
+
+def _snapshot(model, opt) -> dict[str, torch.Tensor]:
+    snap = {f"param{i}": p.detach().clone() for i, p in enumerate(model.parameters())}
+    for i, p in enumerate(model.parameters()):
+        for k, v in opt.state[p].items():
+            if torch.is_tensor(v):
+                snap[f"state{i}.{k}"] = v.clone()
+    for b, errs in enumerate(opt._errors):
+        for k, v in errs.items():
+            snap[f"bucket{b}.{k}"] = v.clone()
+    return snap
+
+
+def _inf_skip(backend, name: str, inf_step: int):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 3)
+    opt = FACTORIES[name](model.parameters())
+    for step in range(1, inf_step + 1):
+        x, y = _problem(torch.float32, backend.rank, step)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        if step == inf_step:
+            if backend.rank == 1:
+                model.bias.grad[1] = float("nan")
+            before, global_before = _snapshot(model, opt), dict(opt.global_state)
+        opt.step()
+    after = _snapshot(model, opt)
+    changed = [k for k in before if not torch.equal(before[k], after[k])]
+    gs = dict(opt.global_state)
+    return {
+        "changed": changed,
+        "skipped": gs.pop("skipped_steps") - global_before.pop("skipped_steps"),
+        "global_same": gs == global_before,
+        "replicas": _gather(backend, after["param0"]),
+    }
+
+
+# Steps that communicate: warmup and compression of 1-bit Adam / LAMB; 0/1 Adam's variance step
+# (4) and compressed phase-A step (3), and its phase-B sync step (5).
+SKIP_CASES = [
+    ("OnebitAdam", 3),
+    ("OnebitAdam", 6),
+    ("OnebitLamb", 3),
+    ("OnebitLamb", 6),
+    ("ZeroOneAdam", 3),
+    ("ZeroOneAdam", 4),
+    ("ZeroOneAdam", 5),
+]
+
+
+@pytest.mark.parametrize(("name", "inf_step"), SKIP_CASES)
+def test_nan_on_one_rank_skips_the_step_everywhere_leaving_state_untouched(name, inf_step):
+    for r in run_ranks(_inf_skip, 2, name, inf_step, timeout=TIMEOUT):
+        assert r["changed"] == [], r["changed"]
+        assert r["skipped"] == 1
+        assert r["global_same"]
+        assert torch.equal(r["replicas"][0], r["replicas"][1])
+
+
+def _local_inf(backend):
+    # 0/1 Adam, phase B with a sync every 2 steps: steps 6 (sync), 7 (local), 8 (sync).
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 3)
+    opt = FACTORIES["ZeroOneAdam"](model.parameters())
+    seen = {}
+    for step in range(1, 9):
+        x, y = _problem(torch.float32, backend.rank, step)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        before = model.weight.detach().clone()
+        if step == 7 and backend.rank == 1:
+            model.weight.grad[0, 0] = float("inf")
+        stats = backend.stats.snapshot()
+        opt.step()
+        if step == 7:
+            seen = {
+                "calls": (backend.stats - stats).calls,
+                "moved": not torch.equal(before, model.weight.detach()),
+            }
+    return {**seen, "replicas": _gather(backend, model.weight), "step": opt.global_state["step"]}
+
+
+def test_zero_one_adam_local_step_skips_only_the_rank_with_the_inf():
+    results = run_ranks(_local_inf, 2, timeout=TIMEOUT)
+    assert results[0]["calls"] == results[1]["calls"] == 0  # the local step stays silent
+    assert results[0]["moved"] and not results[1]["moved"]
+    assert results[0]["step"] == results[1]["step"] == 8
+    assert torch.equal(results[0]["replicas"][0], results[0]["replicas"][1])  # synced at 8
