@@ -67,54 +67,83 @@ def t32(a: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(a, dtype=F32).copy())
 
 
-def run_worker(kernels, x: np.ndarray, e: np.ndarray):
-    """compensate + pack_worker_ through the kernel set; returns (c, s, new e, bits)."""
+def compensated(x: np.ndarray, e: np.ndarray) -> np.ndarray:
+    """c = pad(x) + e: one fp32 add per true element, e itself on the pad."""
+    c = e.copy()
+    c[: x.size] = x + e[: x.size]
+    return c
+
+
+def run_worker(kernels, x: np.ndarray, e: np.ndarray, path: str = "two-step"):
+    """The worker side through the kernel set; returns (c, s, new e, bits).
+
+    ``path="two-step"``: compensate + pack_worker_ (c is the kernel's own output);
+    ``path="fused"``: scale + pack_compensated_, the pair compressed_allreduce uses (c never
+    leaves the kernel, so the reference c is returned).
+    """
     padded = e.size
     xt, et = t32(x), t32(e)
-    c = torch.empty(padded, dtype=torch.float32)
-    s = kernels.compensate(xt, et, c)
-    assert s.dtype == torch.float32 and s.numel() == 1
-    c_before = c.clone()
     bits = torch.empty(padded // 8, dtype=torch.uint8)
-    kernels.pack_worker_(c, s, et, bits)
-    return c_before.numpy(), F32(s.item()), et.numpy(), bits.numpy()
+    if path == "fused":
+        s = kernels.scale(xt, et)
+        assert torch.equal(et, t32(e)), "scale must not change e"
+        c = compensated(x, e)
+        kernels.pack_compensated_(xt, s, et, bits)
+    else:
+        ct = torch.empty(padded, dtype=torch.float32)
+        s = kernels.compensate(xt, et, ct)
+        c = ct.numpy().copy()
+        kernels.pack_worker_(ct, s, et, bits)
+    assert s.dtype == torch.float32 and s.numel() == 1
+    assert torch.equal(xt, t32(x)), "x must not change"
+    return c, F32(s.item()), et.numpy(), bits.numpy()
+
+
+WORKER_PATHS = ["two-step", "fused"]
+path_param = pytest.mark.parametrize("path", WORKER_PATHS)
 
 
 # -- bit packing ------------------------------------------------------------------------------
 @kernel_param
-def test_first_element_is_most_significant_bit(kernels):
+@path_param
+def test_first_element_is_most_significant_bit(path, kernels):
     c = np.full(16, -1.0, dtype=F32)
     c[0] = 2.0  # element 0 → bit 7 of byte 0
     c[15] = 3.0  # element 15 → bit 0 of byte 1
-    _, _, _, bits = run_worker(kernels, c, np.zeros(16, dtype=F32))
+    _, _, _, bits = run_worker(kernels, c, np.zeros(16, dtype=F32), path)
     assert bits.tolist() == [0b1000_0000, 0b0000_0001]
 
 
 @kernel_param
 @pytest.mark.parametrize("size", [8, 64, 1000 * 8, 8 * 4099])
-def test_bits_match_numpy_packbits(kernels, size):
+@path_param
+def test_bits_match_numpy_packbits(path, kernels, size):
     rng = np.random.default_rng(size)
     x = random_buffer(rng, size)
-    c, _, _, bits = run_worker(kernels, x, np.zeros(size, dtype=F32))
+    c, _, _, bits = run_worker(kernels, x, np.zeros(size, dtype=F32), path)
     np.testing.assert_array_equal(bits, np.packbits(c >= 0))
 
 
 @kernel_param
 @pytest.mark.parametrize("n", [1, 2, 3, 8])
-def test_pack_unpack_round_trip(kernels, n):
+@path_param
+def test_pack_unpack_round_trip(path, kernels, n):
     """unpack_scaled_ with unit scales returns sgn(c) for every element, chunk by chunk."""
     rng = np.random.default_rng(n)
     padded = padded_size(1001, n)
-    c, _, _, bits = run_worker(kernels, random_buffer(rng, padded), np.zeros(padded, dtype=F32))
+    c, _, _, bits = run_worker(
+        kernels, random_buffer(rng, padded), np.zeros(padded, dtype=F32), path
+    )
     out = torch.empty(padded)
-    kernels.unpack_scaled_(t32(bits).to(torch.uint8).view(n, -1), torch.ones(n), out)
+    kernels.unpack_scaled_(torch.from_numpy(bits.copy()).view(n, -1), torch.ones(n), out)
     np.testing.assert_array_equal(out.numpy(), ref_sgn(c))
 
 
 @kernel_param
-def test_signed_zeros_map_to_plus_one(kernels):
+@path_param
+def test_signed_zeros_map_to_plus_one(path, kernels):
     c = np.array([0.0, -0.0, 1.0, -1.0, -0.0, 0.0, -2.0, 2.0], dtype=F32)
-    _, s, e, bits = run_worker(kernels, c, np.zeros(8, dtype=F32))
+    _, s, e, bits = run_worker(kernels, c, np.zeros(8, dtype=F32), path)
     assert bits.tolist() == [0b1110_1101]
     # e = c − s·(+1) at both zeros: exactly −s, with no −0.0/+0.0 distinction involved.
     assert s > 0
@@ -138,7 +167,8 @@ def test_compensate_is_exact_and_norm_close(kernels, size, n):
 
 @kernel_param
 @pytest.mark.parametrize("size,n", [(3, 1), (1001, 4), (4099, 7)])
-def test_worker_error_is_the_correctly_rounded_difference(kernels, size, n):
+@path_param
+def test_worker_error_is_the_correctly_rounded_difference(path, kernels, size, n):
     """e == fl(c − s·sgn(c)) bit for bit, and c ≈ s·sgn(c) + e to half an ulp of e.
 
     ``c == s·sgn(c) + e`` cannot hold exactly in floating point in general: e is rounded once.
@@ -147,7 +177,7 @@ def test_worker_error_is_the_correctly_rounded_difference(kernels, size, n):
     padded = padded_size(size, n)
     x = random_buffer(rng, size)
     e0 = random_buffer(rng, padded, zeros=False) * F32(0.01)
-    c, s, e, bits = run_worker(kernels, x, e0)
+    c, s, e, bits = run_worker(kernels, x, e0, path)
     expect = (c - s * ref_sgn(c)).astype(F32)  # s·sgn is exact; one rounding in the subtraction
     np.testing.assert_array_equal(e.view(np.uint32), expect.view(np.uint32))
     residual = np.abs(c.astype(np.float64) - (np.float64(s) * ref_sgn(c) + e.astype(np.float64)))
@@ -156,21 +186,42 @@ def test_worker_error_is_the_correctly_rounded_difference(kernels, size, n):
 
 
 @kernel_param
-def test_all_zero_buffer_gives_zero_scale_and_no_nan(kernels):
-    _, s, e, bits = run_worker(kernels, np.zeros(13, dtype=F32), np.zeros(16, dtype=F32))
+@path_param
+def test_all_zero_buffer_gives_zero_scale_and_no_nan(path, kernels):
+    _, s, e, bits = run_worker(kernels, np.zeros(13, dtype=F32), np.zeros(16, dtype=F32), path)
     assert s == 0.0
     assert np.all(np.isfinite(e)) and np.all(e == 0)
     assert bits.tolist() == [255, 255]
 
 
 @kernel_param
-def test_tiny_and_large_finite_values_stay_finite(kernels):
+@path_param
+def test_tiny_and_large_finite_values_stay_finite(path, kernels):
     """Norms of finite buffers must not overflow or produce NaN (squares of 1e20 exceed fp32)."""
     x = np.array([1e-30, -1e-38, 1e20, -3e20, 0.0, 1.0, -1e-45, 5e19], dtype=F32)
-    c, s, e, _ = run_worker(kernels, x, np.zeros(8, dtype=F32))
+    c, s, e, _ = run_worker(kernels, x, np.zeros(8, dtype=F32), path)
     assert np.isfinite(s)
     assert s == pytest.approx(ref_rms(c), rel=1e-6)
     assert np.all(np.isfinite(e))
+
+
+@kernel_param
+@pytest.mark.parametrize("size,n", [(5, 1), (1001, 4), (4099, 8)])
+def test_fused_worker_path_equals_two_step_path(kernels, size, n):
+    """Given the same s, pack_compensated_ and compensate + pack_worker_ agree bit for bit."""
+    rng = np.random.default_rng(size * n)
+    padded = padded_size(size, n)
+    x, e = random_buffer(rng, size), random_buffer(rng, padded) * F32(0.1)
+    c = torch.empty(padded)
+    e_two, e_fused = t32(e), t32(e)
+    s = kernels.compensate(t32(x), e_two, c)
+    assert kernels.scale(t32(x), t32(e)).item() == pytest.approx(s.item(), rel=NORM_RTOL)
+    bits_two = torch.empty(padded // 8, dtype=torch.uint8)
+    bits_fused = torch.empty(padded // 8, dtype=torch.uint8)
+    kernels.pack_worker_(c, s, e_two, bits_two)
+    kernels.pack_compensated_(t32(x), s, e_fused, bits_fused)
+    assert torch.equal(bits_two, bits_fused)
+    assert torch.equal(e_two.view(torch.int32), e_fused.view(torch.int32))
 
 
 # -- server side ------------------------------------------------------------------------------
@@ -221,14 +272,14 @@ def test_unpack_respects_chunk_boundaries_and_length(kernels):
 
 
 # -- the whole per-element pipeline, simulated for n workers in one process ------------------
-def pipeline(kernels, xs: list[np.ndarray], es: list[np.ndarray], fs: list[np.ndarray]):
+def pipeline(kernels, xs: list[np.ndarray], es: list[np.ndarray], fs: list[np.ndarray], path: str):
     """Run SPEC §1 for n simulated ranks using only the kernel set (no communication)."""
     n = len(xs)
     padded = es[0].size
     chunk_bytes = padded // (8 * n)
     worker_bits, worker_scales, new_e = [], [], []
     for r in range(n):
-        _, s, e, bits = run_worker(kernels, xs[r], es[r])
+        _, s, e, bits = run_worker(kernels, xs[r], es[r], path)
         worker_bits.append(bits.reshape(n, chunk_bytes))
         worker_scales.append(s)
         new_e.append(e)
@@ -259,8 +310,9 @@ def pipeline(kernels, xs: list[np.ndarray], es: list[np.ndarray], fs: list[np.nd
     n=st.integers(1, 8),
     seed=st.integers(0, 2**32 - 1),
     kernel_index=st.integers(0, len(KERNELS) - 1),
+    path=st.sampled_from(WORKER_PATHS),
 )
-def test_pipeline_properties(size, n, seed, kernel_index):
+def test_pipeline_properties(size, n, seed, kernel_index, path):
     """For any size 1…10^5 and n 1…8: exact errors, agreeing signs, finite, right shape."""
     kernels = KERNELS[kernel_index]
     rng = np.random.default_rng(seed)
@@ -269,7 +321,7 @@ def test_pipeline_properties(size, n, seed, kernel_index):
     xs = [random_buffer(rng, size) for _ in range(n)]
     es = [random_buffer(rng, padded, zeros=False) * F32(0.01) for _ in range(n)]
     fs = [random_buffer(rng, padded // n, zeros=False) * F32(0.01) for _ in range(n)]
-    y, new_e, new_f, ws, ss = pipeline(kernels, xs, es, fs)
+    y, new_e, new_f, ws, ss = pipeline(kernels, xs, es, fs, path)
 
     assert y.shape == (size,) and np.all(np.isfinite(y))
     for r in range(n):
