@@ -1,0 +1,25 @@
+"""Shared pieces of the experiments: starting ranks, the optimizer variants, their traffic."""
+
+from experiments.common.training import (
+    ALL_VARIANTS,
+    AllReduceCounter,
+    Hyper,
+    Setup,
+    describe_machine,
+    launch,
+    make_setup,
+    rank_and_size,
+    sum_over_ranks,
+)
+
+__all__ = [
+    "ALL_VARIANTS",
+    "AllReduceCounter",
+    "Hyper",
+    "Setup",
+    "describe_machine",
+    "launch",
+    "make_setup",
+    "rank_and_size",
+    "sum_over_ranks",
+]

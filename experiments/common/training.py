@@ -1,0 +1,412 @@
+r"""Starting ranks, building each optimizer variant the same way, and counting what it sends.
+
+Variants (labels as they appear in every table):
+
+- ``Adam``: ``torch.optim.Adam``; the gradients are averaged by one fp32 ``all_reduce`` of one
+  flat buffer per step through a commopt ``TorchBackend`` (so its byte counter applies).
+- ``DDP-fp32``: ``DistributedDataParallel`` without a hook (torch's C++ reducer, bucketed fp32
+  all_reduce overlapped with backward) + ``torch.optim.Adam``. Its bytes are not observable
+  from Python; the TCP benchmark uses it for timing only.
+- ``DDP-fp16``: DDP with ``default_hooks.fp16_compress_hook`` + ``torch.optim.Adam``.
+- ``DDP-PowerSGD``: DDP with ``powerSGD_hook`` (rank ``powersgd_rank``, error feedback, warm
+  start, plain all_reduce for the first ``warmup`` iterations) + ``torch.optim.Adam``.
+- ``OnebitAdam``, ``ZeroOneAdam``, ``OnebitLamb``: the commopt optimizers with ``warmup`` as
+  ``freeze_step`` / ``var_freeze_step``.
+- ``LAMB``: ``commopt.OnebitLamb`` with ``freeze_step`` larger than the run, i.e. only its
+  full-precision warmup stage, which is LAMB (Adam moments, per-tensor trust ratio
+  ‖p‖/‖u‖ clipped to [min_coeff, max_coeff], fp32 gradient average every step).
+
+Traffic model, the same for every variant: a ring all_reduce of B bytes costs one rank
+2(n−1)/n·B bytes sent (SPEC §7; ``commopt.comm.base.model_bytes``). commopt variants report it
+through ``backend.stats``. For DDP hooks an :class:`AllReduceCounter` replaces
+``torch.distributed.all_reduce`` while a step runs and applies the same formula to the size of
+every tensor the hook all-reduces (fp16 buckets; PowerSGD's uncompressed tensors, P and Q).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import multiprocessing as mp
+import os
+import pickle
+import platform
+import queue as queue_module
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+from torch.nn.parallel import DistributedDataParallel
+
+import commopt
+from commopt.comm import TorchBackend, set_default_backend
+from commopt.comm.base import model_bytes
+from commopt.optim.base import CompressedOptimizer
+
+__all__ = [
+    "ALL_VARIANTS",
+    "AllReduceCounter",
+    "Hyper",
+    "Setup",
+    "describe_machine",
+    "launch",
+    "make_setup",
+    "rank_and_size",
+    "sum_over_ranks",
+]
+
+ALL_VARIANTS = (
+    "Adam",
+    "DDP-fp32",
+    "DDP-fp16",
+    "DDP-PowerSGD",
+    "OnebitAdam",
+    "ZeroOneAdam",
+    "LAMB",
+    "OnebitLamb",
+)
+
+# The real all_reduce, captured before any counter is installed: metrics use it directly.
+_ALL_REDUCE = dist.all_reduce
+
+
+# -- ranks ---------------------------------------------------------------------------------------
+def rank_and_size() -> tuple[int, int]:
+    """(rank, world size) of torch.distributed's default group, or (0, 1) without one."""
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def sum_over_ranks(values: list[float]) -> list[float]:
+    """Element-wise sum over ranks (float64), outside every byte counter."""
+    t = torch.tensor(values, dtype=torch.float64)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        _ALL_REDUCE(t)
+    return t.tolist()
+
+
+def describe_machine() -> str:
+    """CPU model, core count, load average, torch version: one line for a report."""
+    cpu = platform.machine()
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    load = " ".join(f"{x:.1f}" for x in os.getloadavg())
+    return (
+        f"{cpu}, {os.cpu_count()} cores, load average {load}, torch {torch.__version__}, "
+        f"python {platform.python_version()}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
+    )
+
+
+def _rank_main(
+    rank: int, n: int, path: str, fn: Callable[..., Any], args: tuple, queue: Any
+) -> None:
+    try:
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=n)
+        set_default_backend(TorchBackend())
+        result = fn(*args)
+        if rank == 0:
+            queue.put((True, pickle.dumps(result)))
+    except BaseException as err:
+        queue.put((False, f"rank {rank}: {type(err).__name__}: {err}\n{traceback.format_exc()}"))
+        raise SystemExit(1) from None
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 3600.0) -> Any:
+    """Run ``fn(*args)`` on every rank; return rank 0's result (``None`` on the other ranks).
+
+    Under a launcher (``RANK`` or an MPI rank variable in the environment: torchrun, mpirun,
+    ``netlab run``) this process is one rank: ``commopt.init()`` starts it and ``world_size``
+    is ignored. Otherwise ``world_size`` gloo ranks are forked on this machine (a FileStore in
+    a temporary directory; one torch thread each) and this process waits for them.
+
+    Raises:
+        RuntimeError: a rank failed (its traceback is in the message) or ``timeout`` passed.
+    """
+    if any(v in os.environ for v in ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")):
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+        commopt.init(timeout=timeout)
+        try:
+            result = fn(*args)
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        return result if rank_and_size()[0] == 0 or not dist.is_initialized() else None
+    ctx = mp.get_context("fork")
+    queue = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "store")
+        procs = [
+            ctx.Process(target=_rank_main, args=(r, world_size, path, fn, args, queue))
+            for r in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        try:
+            while True:
+                try:
+                    ok, payload = queue.get(timeout=0.5)
+                except queue_module.Empty:
+                    pass
+                else:
+                    if not ok:
+                        raise RuntimeError(payload)
+                    result = pickle.loads(payload)
+                    for p in procs:
+                        p.join(timeout=max(1.0, deadline - time.monotonic()))
+                    return result
+                failed = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                if failed:
+                    raise RuntimeError(f"rank(s) {failed} exited with an error (see stderr)")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"ranks did not finish within timeout={timeout} s")
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+
+
+# -- traffic of DDP hooks ------------------------------------------------------------------------
+class AllReduceCounter:
+    """Counts ``torch.distributed.all_reduce`` calls and their ring-model bytes while active.
+
+    ``install()`` replaces the module attribute (DDP's Python comm hooks call
+    ``dist.all_reduce``); :meth:`counting` enables counting for a region, e.g. one
+    backward+step, so that metric collectives elsewhere are not counted.
+    """
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self.calls = 0
+        self.bytes_sent = 0
+        self._active = False
+
+    def _all_reduce(self, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if self._active:
+            self.calls += 1
+            nbytes = tensor.numel() * tensor.element_size()
+            self.bytes_sent += model_bytes("all_reduce", nbytes, self.world_size)
+        return _ALL_REDUCE(tensor, *args, **kwargs)
+
+    def install(self) -> None:
+        dist.all_reduce = self._all_reduce
+
+    @staticmethod
+    def uninstall() -> None:
+        dist.all_reduce = _ALL_REDUCE
+
+    @contextlib.contextmanager
+    def counting(self) -> Iterator[None]:
+        self._active = True
+        try:
+            yield
+        finally:
+            self._active = False
+
+
+# -- variants ------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Hyper:
+    """Hyper-parameters shared by the variants of one experiment."""
+
+    lr: float
+    """learning rate of the Adam family (Adam, DDP-*, OnebitAdam, ZeroOneAdam)"""
+    lamb_lr: float
+    """learning rate of LAMB and OnebitLamb"""
+    warmup: int
+    """freeze_step (OnebitAdam, OnebitLamb), var_freeze_step (ZeroOneAdam), start_powerSGD_iter"""
+    steps: int
+    """length of the run (LAMB's freeze_step is steps + 1)"""
+    betas: tuple[float, float] = (0.9, 0.999)
+    weight_decay: float = 0.0
+    powersgd_rank: int = 4
+    var_update_scaler: int = 16
+    local_step_scaler: int = 32768
+    local_step_clipper: int = 16
+    zero_variance_mask: bool = False
+    """commopt 1-bit variants: one param group per tensor whose ``exp_avg_mask`` is refreshed
+    to (v > 0) before every step, so coordinates that never had a gradient (dead ReLU units,
+    unseen embedding rows) are not moved by ±scale/eps (see docs/experiments.md)"""
+
+
+class Setup:
+    """One variant ready to train ``module``: call :meth:`step` after computing the loss.
+
+    ``model`` is what to call for the forward pass (the DDP wrapper where there is one).
+    ``bytes_sent``/``collectives``: this rank's modelled bytes and number of collective calls
+    so far (training steps only). ``comm_steps``: steps that exchanged gradient or model data.
+    """
+
+    def __init__(
+        self,
+        label: str,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        backend: TorchBackend | None,
+        counter: AllReduceCounter | None,
+        average_gradients: bool,
+    ) -> None:
+        self.label = label
+        self.model = model
+        self.optimizer = optimizer
+        self._backend = backend
+        self._counter = counter
+        self._average_gradients = average_gradients
+        self._params = [p for p in model.parameters() if p.requires_grad]
+        self.comm_steps = 0
+        self.steps = 0
+        self.masks: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    @property
+    def bytes_sent(self) -> int:
+        if self._counter is not None:
+            return self._counter.bytes_sent
+        return self._backend.stats.bytes_sent if self._backend is not None else 0
+
+    @property
+    def collectives(self) -> int:
+        if self._counter is not None:
+            return self._counter.calls
+        return self._backend.stats.calls if self._backend is not None else 0
+
+    def _data_rounds(self) -> int:
+        if isinstance(self.optimizer, CompressedOptimizer):
+            s = self.optimizer.comm_stats()
+            return s["full_precision_rounds"] + s["compressed_rounds"]
+        return self.collectives
+
+    def step(self, loss: torch.Tensor) -> None:
+        """zero_grad, backward, (average), optimizer step; traffic counted."""
+        self.optimizer.zero_grad(set_to_none=False)
+        before = self._data_rounds()
+        with self._counter.counting() if self._counter else contextlib.nullcontext():
+            loss.backward()
+            if self._average_gradients and self._backend is not None:
+                flat = torch.cat([p.grad.reshape(-1) for p in self._params])
+                self._backend.all_reduce(flat, "avg")
+                offset = 0
+                for p in self._params:
+                    p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))
+                    offset += p.numel()
+            for p, mask in self.masks:
+                v = self.optimizer.state[p].get("exp_avg_sq")
+                if v is not None:
+                    mask.copy_(v > 0)
+            self.optimizer.step()
+        self.steps += 1
+        self.comm_steps += int(self._data_rounds() > before)
+
+    def close(self) -> None:
+        if self._counter is not None:
+            self._counter.uninstall()
+
+    def stage(self, step: int, hp: Hyper) -> str:
+        """Which stage step ``step`` (1-based) belongs to, for logs and CSVs."""
+        if self.label in ("OnebitAdam", "OnebitLamb"):
+            return "warmup" if step <= hp.warmup else "compressed"
+        if self.label == "ZeroOneAdam":
+            return "phaseA" if step <= hp.warmup else "phaseB"
+        if self.label == "DDP-PowerSGD":
+            return "allreduce" if step < hp.warmup else "powersgd"
+        return "full"
+
+
+def make_setup(label: str, model: nn.Module, hp: Hyper) -> Setup:
+    """Build variant ``label`` (one of :data:`ALL_VARIANTS`) around ``model`` on every rank.
+
+    Every rank must call it with the same arguments; rank 0's weights are broadcast first.
+    """
+    if label not in ALL_VARIANTS:
+        raise ValueError(f"unknown variant {label!r}; choose from {list(ALL_VARIANTS)}")
+    backend = TorchBackend()  # a fresh byte counter per variant
+    commopt.broadcast_parameters(model, backend=backend)
+    backend.stats.reset()
+    n = backend.world_size
+    if label.startswith("DDP"):
+        ddp = DistributedDataParallel(model)
+        counter = None
+        if label == "DDP-fp16":
+            ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        elif label == "DDP-PowerSGD":
+            state = powerSGD_hook.PowerSGDState(
+                process_group=None,
+                matrix_approximation_rank=hp.powersgd_rank,
+                start_powerSGD_iter=max(2, hp.warmup),
+                use_error_feedback=True,
+                warm_start=True,
+                random_seed=0,
+            )
+            ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+        if label != "DDP-fp32":
+            counter = AllReduceCounter(n)
+            counter.install()
+        opt = torch.optim.Adam(
+            ddp.parameters(), lr=hp.lr, betas=hp.betas, weight_decay=hp.weight_decay
+        )
+        return Setup(label, ddp, opt, None, counter, average_gradients=False)
+    params: Any = list(model.parameters())
+    masks = []
+    if hp.zero_variance_mask and label in ("OnebitAdam", "ZeroOneAdam", "OnebitLamb"):
+        masks = [(p, torch.ones_like(p)) for p in params]
+        params = [{"params": [p], "exp_avg_mask": mask} for p, mask in masks]
+    opt: torch.optim.Optimizer
+    if label == "Adam":
+        opt = torch.optim.Adam(params, lr=hp.lr, betas=hp.betas, weight_decay=hp.weight_decay)
+        return Setup(label, model, opt, backend, None, average_gradients=True)
+    if label == "OnebitAdam":
+        opt = commopt.OnebitAdam(
+            params,
+            lr=hp.lr,
+            betas=hp.betas,
+            weight_decay=hp.weight_decay,
+            freeze_step=hp.warmup,
+            backend=backend,
+        )
+    elif label == "ZeroOneAdam":
+        opt = commopt.ZeroOneAdam(
+            params,
+            lr=hp.lr,
+            betas=hp.betas,
+            weight_decay=hp.weight_decay,
+            var_freeze_step=hp.warmup,
+            var_update_scaler=hp.var_update_scaler,
+            local_step_scaler=hp.local_step_scaler,
+            local_step_clipper=hp.local_step_clipper,
+            backend=backend,
+        )
+    elif label == "LAMB":
+        opt = commopt.OnebitLamb(
+            params,
+            lr=hp.lamb_lr,
+            betas=hp.betas,
+            weight_decay=hp.weight_decay,
+            freeze_step=hp.steps + 1,
+            backend=backend,
+        )
+    else:  # OnebitLamb
+        opt = commopt.OnebitLamb(
+            params,
+            lr=hp.lamb_lr,
+            betas=hp.betas,
+            weight_decay=hp.weight_decay,
+            freeze_step=hp.warmup,
+            backend=backend,
+        )
+    setup = Setup(label, model, opt, backend, None, average_gradients=False)
+    setup.masks = masks
+    return setup

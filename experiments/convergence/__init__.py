@@ -1,0 +1,1 @@
+"""Convergence suite (see run.py)."""

@@ -1,0 +1,1 @@
+"""Commodity-TCP step-time benchmark (see bench.py)."""

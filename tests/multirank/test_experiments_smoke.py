@@ -1,0 +1,145 @@
+"""Smoke runs of the experiment scripts (a few steps, 2 forked gloo ranks) so they never rot.
+
+Besides "it runs and writes its outputs", the byte counters are checked against the ring model
+computed here from the parameter count: Adam sends 2(n−1)/n·4·N bytes per step, DDP's fp16
+hook half of that, and the 1-bit optimizers less than either once compressing.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import pathlib
+
+import pytest
+
+pytest.importorskip("matplotlib", reason="the experiments extra (matplotlib) is not installed")
+pytest.importorskip("sklearn", reason="the experiments extra (scikit-learn) is not installed")
+pytest.importorskip("tqdm", reason="the experiments extra (tqdm) is not installed")
+
+from experiments.convergence import run as convergence
+from experiments.convergence.tasks import load_task
+from experiments.tcp import bench as tcp
+
+N = 2
+STEPS = 6
+WARMUP = 2
+
+
+def _read(path: pathlib.Path) -> list[dict[str, str]]:
+    with path.open() as f:
+        return list(csv.DictReader(f))
+
+
+def _ring_fp32(numel: int) -> float:
+    return 2 * (N - 1) / N * 4 * numel
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(
+    "task,task_args",
+    [
+        ("digits", ["width=4"]),
+        (
+            "lm",
+            [
+                "d=16",
+                "layers=1",
+                "context=16",
+                "batch_per_rank=4",
+                "eval_windows=8",
+                "max_corpus_bytes=1000000",
+            ],
+        ),
+    ],
+)
+def test_convergence_smoke(tmp_path: pathlib.Path, task: str, task_args: list[str]) -> None:
+    argv = [
+        "--task",
+        task,
+        "--world-size",
+        str(N),
+        "--steps",
+        str(STEPS),
+        "--warmup",
+        str(WARMUP),
+        "--eval-every",
+        "3",
+        "--out",
+        str(tmp_path),
+        "--no-progress",
+        "--timeout",
+        "200",
+    ]
+    for a in task_args:
+        argv += ["--task-arg", a]
+    assert convergence.main(argv) == 0
+
+    folder = tmp_path / task
+    assert (folder / "curves.png").stat().st_size > 10_000
+    summary = (folder / "summary.md").read_text()
+    runs = {}
+    for label in convergence.CONVERGENCE_VARIANTS:
+        assert f"| {label} |" in summary
+        rows = _read(folder / f"{label}.csv")
+        assert [int(r["step"]) for r in rows] == list(range(STEPS + 1))
+        assert [r["val_loss"] != "" for r in rows] == [s % 3 == 0 for s in range(STEPS + 1)]
+        sent = [int(r["bytes_sent"]) for r in rows]
+        assert sent[0] == 0 and sent == sorted(sent) and sent[-1] > 0
+        runs[label] = sent
+
+    fields = {}
+    for a in task_args:
+        k, v = a.split("=")
+        fields[k] = type(convergence._task_default(task, k))(v)
+    numel = sum(p.numel() for p in load_task(task, **fields).build_model().parameters())
+    per_step = [b - a for a, b in zip(runs["Adam"], runs["Adam"][1:], strict=False)]
+    assert per_step == [int(_ring_fp32(numel))] * STEPS
+    fp16 = [b - a for a, b in zip(runs["DDP-fp16"], runs["DDP-fp16"][1:], strict=False)]
+    assert fp16 == [int(_ring_fp32(numel) / 2)] * STEPS
+    # After the freeze step every 1-bit variant sends far less per step than the fp16 hook.
+    for label in ("OnebitAdam", "OnebitLamb", "ZeroOneAdam"):
+        late = runs[label][-1] - runs[label][WARMUP + 1]
+        assert late < (STEPS - WARMUP - 1) * fp16[0] / 4, label
+
+
+@pytest.mark.timeout(240)
+def test_tcp_bench_smoke(tmp_path: pathlib.Path) -> None:
+    out, js = tmp_path / "t.md", tmp_path / "t.json"
+    argv = [
+        "--world-size",
+        str(N),
+        "--width",
+        "32",
+        "--hidden",
+        "64",
+        "--warmup",
+        "2",
+        "--settle",
+        "3",
+        "--measure",
+        "4",
+        "--local-step-clipper",
+        "2",
+        "--out",
+        str(out),
+        "--json",
+        str(js),
+        "--quiet",
+        "--timeout",
+        "200",
+    ]
+    assert tcp.main(argv) == 0
+    table = out.read_text()
+    for label in tcp.TCP_VARIANTS:
+        assert f"| {label} |" in table
+    assert "| DDP-fp32 | full |" in table and "1.00x" in table
+    res = json.loads(js.read_text())
+    numel = sum(p.numel() for p in tcp.WideMLP(32, 64, 1).parameters())
+    assert res["numel"] == numel
+    v = res["variants"]
+    assert v["DDP-fp16"]["bytes_per_step"] == pytest.approx(_ring_fp32(numel) / 2)
+    assert v["OnebitAdam"]["stage"] == "compressed" and v["ZeroOneAdam"]["stage"] == "phaseB"
+    # Phase B with a local interval of 2: a sync every other step, nothing in between.
+    assert v["ZeroOneAdam"]["bytes_per_step"] < v["OnebitAdam"]["bytes_per_step"]
+    assert all(e["mean_ms"] > 0 for e in v.values())
