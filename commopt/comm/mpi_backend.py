@@ -92,7 +92,7 @@ class MpiBackend:
         device buffer handed over directly must be made ready with :meth:`_ready`.
         """
         if _stage_through_host(t.device, self.cuda_aware):
-            return t.to("cpu")
+            return t.to("cpu", copy=True)
         return t
 
     def _from_mpi(self, out: torch.Tensor) -> torch.Tensor:
