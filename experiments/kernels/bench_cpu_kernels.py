@@ -1,8 +1,9 @@
 r"""Per-rank CPU cost of the compressed allreduce's per-element work, in memcpy-equivalents.
 
-One rank's share of SPEC §1 for a buffer of N fp32 elements at world size n is
+One rank's share of SPEC §1 for a buffer of N fp32 elements at world size n is, as
+:func:`commopt.compressed_allreduce` calls the kernels,
 
-    compensate (N) + pack_worker_ (N) + server_reduce_ (n rows of N/n) + unpack_scaled_ (N);
+    scale (N) + pack_compensated_ (N) + server_reduce_ (n rows of N/n) + unpack_scaled_ (N);
 
 no communication is involved: the received rows are random bytes with the right shapes. The
 yardstick is one memcpy of the same N·4 bytes (``np.copyto`` into a buffer already touched),
@@ -15,10 +16,9 @@ Variants timed:
 
 - ``torch``: :class:`commopt.kernels.TorchKernels`, the reference (torch limited to one thread,
   as one of several ranks sharing the cores).
-- ``numba``: :class:`commopt.kernels.numba_kernels.NumbaKernels`, every buffer allocated once.
-- ``numba, fresh c``: the same, but the 4N-byte buffer ``c`` is allocated per call as
-  :func:`commopt.compressed_allreduce` does; first-touch page faults on a fresh 64 MB tensor
-  are part of that cost.
+- ``numba``: :class:`commopt.kernels.numba_kernels.NumbaKernels`, the path above.
+- ``numba, stored c``: the same kernels with the worker side done the other way the interface
+  allows, ``compensate`` (writes c, a preallocated 4N-byte buffer) + ``pack_worker_`` (reads it).
 
 It also times the numba kernels' first call in ``--compile-ranks`` fresh processes started
 together (as ranks are), twice: with an empty cache (every process compiles) and again with the
@@ -50,7 +50,7 @@ from commopt.kernels import TorchKernels
 
 __all__ = ["main"]
 
-STAGES = ("compensate", "pack_worker_", "server_reduce_", "unpack_scaled_", "total")
+STAGES = ("scale", "pack_compensated_", "server_reduce_", "unpack_scaled_", "total")
 
 
 def _clock() -> tuple[float, float]:
@@ -61,13 +61,18 @@ def _elapsed(t0: tuple[float, float], t1: tuple[float, float]) -> tuple[float, f
     return t1[0] - t0[0], t1[1] - t0[1]
 
 
-def _per_element_work(kernels, bufs: dict, fresh_c: bool) -> dict[str, tuple[float, float]]:
+def _per_element_work(kernels, bufs: dict, stored_c: bool) -> dict[str, tuple[float, float]]:
     """One rank's per-element work; (cpu, wall) seconds per stage."""
     t0 = _clock()
-    c = torch.empty_like(bufs["e"]) if fresh_c else bufs["c"]
-    s = kernels.compensate(bufs["x"], bufs["e"], c)
+    if stored_c:
+        s = kernels.compensate(bufs["x"], bufs["e"], bufs["c"])
+    else:
+        s = kernels.scale(bufs["x"], bufs["e"])
     t1 = _clock()
-    kernels.pack_worker_(c, s, bufs["e"], bufs["bits"])
+    if stored_c:
+        kernels.pack_worker_(bufs["c"], s, bufs["e"], bufs["bits"])
+    else:
+        kernels.pack_compensated_(bufs["x"], s, bufs["e"], bufs["bits"])
     t2 = _clock()
     kernels.server_reduce_(bufs["recv"], bufs["scales"], bufs["f"], bufs["server_bits"])
     t3 = _clock()
@@ -112,20 +117,21 @@ t0 = time.perf_counter()
 import torch
 from commopt.kernels.numba_kernels import NumbaKernels
 t1 = time.perf_counter()
+c1 = time.process_time()
 k = NumbaKernels()
 x, e, f = torch.randn(100), torch.zeros(128), torch.zeros(32)
-c, bits, sbits = torch.empty(128), torch.empty(16, dtype=torch.uint8), torch.empty(4, dtype=torch.uint8)
-s = k.compensate(x, e, c)
-k.pack_worker_(c, s, e, bits)
+bits, sbits = torch.empty(16, dtype=torch.uint8), torch.empty(4, dtype=torch.uint8)
+s = k.scale(x, e)
+k.pack_compensated_(x, s, e, bits)
 t = k.server_reduce_(bits.view(4, 4), torch.ones(4), f, sbits)
 k.unpack_scaled_(bits.view(4, 4), torch.ones(4), torch.empty(100))
 t2 = time.perf_counter()
-print(t1 - t0, t2 - t1)
+print(t1 - t0, t2 - t1, time.process_time() - c1)
 """
 
 
-def _first_calls(ranks: int, cache_dir: str) -> list[tuple[float, float]]:
-    """(import s, first-call s) in each of ``ranks`` processes started together."""
+def _first_calls(ranks: int, cache_dir: str) -> list[tuple[float, float, float]]:
+    """(import s, first-call wall s, first-call CPU s) in ``ranks`` processes started together."""
     env = dict(os.environ, NUMBA_CACHE_DIR=cache_dir)
     procs = [
         subprocess.Popen(
@@ -138,8 +144,8 @@ def _first_calls(ranks: int, cache_dir: str) -> list[tuple[float, float]]:
         stdout, _ = p.communicate(timeout=600)
         if p.returncode != 0:
             raise RuntimeError(f"first-call probe failed with exit code {p.returncode}")
-        imp, first = (float(v) for v in stdout.split())
-        out.append((imp, first))
+        imp, first, first_cpu = (float(v) for v in stdout.split())
+        out.append((imp, first, first_cpu))
     return out
 
 
@@ -184,18 +190,19 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         fast = NumbaKernels()
         t0 = time.perf_counter()
-        _per_element_work(fast, _buffers(64, n), fresh_c=False)  # compile, or load from cache
+        _per_element_work(fast, _buffers(64, n), stored_c=False)  # compile, or load from cache
+        _per_element_work(fast, _buffers(64, n), stored_c=True)
         first_call = time.perf_counter() - t0
         variants["numba"] = (fast, False)
-        variants["numba, fresh c"] = (fast, True)
+        variants["numba, stored c"] = (fast, True)
 
     samples: dict[str, list[dict]] = {name: [] for name in variants}
     copies = [memcpy()]
     for _ in range(args.rounds):
-        for name, (kernels, fresh_c) in variants.items():
+        for name, (kernels, stored_c) in variants.items():
             bufs["e"].copy_(e0)
             bufs["f"].copy_(f0)
-            samples[name].append(_per_element_work(kernels, bufs, fresh_c))
+            samples[name].append(_per_element_work(kernels, bufs, stored_c))
             copies.append(memcpy())
     memcpy_cpu = statistics.median(c[0] for c in copies)
     memcpy_wall = statistics.median(c[1] for c in copies)
@@ -236,13 +243,16 @@ def main(argv: list[str] | None = None) -> dict:
             cold = _first_calls(args.compile_ranks, cache)
             warm = _first_calls(args.compile_ranks, cache)
         result["first_call_s"] = {"cold_cache": cold, "warm_cache": warm}
-        print(
-            f"\nnumba first call in {args.compile_ranks} processes started together (s, per process):"
-        )
+        ranks = args.compile_ranks
+        print(f"\nnumba first call in {ranks} processes started together (s, per process):")
         for label, runs in (("empty cache (compile)", cold), ("cache filled (load)", warm)):
-            imports = ", ".join(f"{imp:.2f}" for imp, _ in runs)
-            firsts = ", ".join(f"{first:.2f}" for _, first in runs)
-            print(f"  {label:22s} import torch+numba: {imports};  first call: {firsts}")
+            imports = ", ".join(f"{r[0]:.1f}" for r in runs)
+            firsts = ", ".join(f"{r[1]:.1f}" for r in runs)
+            cpu = ", ".join(f"{r[2]:.1f}" for r in runs)
+            print(
+                f"  {label:22s} import torch+numba (wall): {imports}; first call wall: {firsts};"
+                f" first call CPU: {cpu}"
+            )
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(result, fh, indent=2)

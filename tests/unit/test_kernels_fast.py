@@ -22,6 +22,7 @@ from commopt.compressed import padded_size
 from commopt.kernels import TorchKernels, get_kernels, use_kernels
 
 pytest.importorskip("numba", reason="numba is not installed (the `fast` extra); nothing to test")
+import commopt.kernels.numba_kernels as nk
 from commopt.kernels.numba_kernels import NumbaKernels
 
 F32 = np.float32
@@ -274,3 +275,16 @@ def test_use_kernels_overrides_every_device(fresh_dispatch):
         assert get_kernels("cpu") is REF
         assert get_kernels(torch.device("cuda")) is REF
     assert get_kernels("cpu").name == "numba"
+
+
+def test_warm_up_runs_every_kernel():
+    """warm_up compiles (or loads from the cache) every loop compressed_allreduce uses."""
+    FAST.warm_up()
+    for fn in (
+        nk._scale_sum,
+        nk._pack_compensated,
+        nk._pack_update,
+        nk._server_average,
+        nk._unpack,
+    ):
+        assert fn.signatures, f"{fn.__name__} was not compiled by warm_up"
