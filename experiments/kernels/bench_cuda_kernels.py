@@ -1,10 +1,11 @@
 r"""Throughput of the CUDA kernels (cuda/*.cu through CuPy) vs the device's copy bandwidth.
 
 For N fp32 elements at world size n, each kernel of ``CupyKernels``
-(:mod:`commopt.kernels.cupy_kernels`) moves a known number of bytes (counted below, reads + writes, each byte once); its throughput is
-that count over its time, measured with CUDA events on torch's current stream (median of
-``--rounds``). The yardstick is a device-to-device ``copy_`` of the same 4N bytes (2·4N bytes
-moved), timed the same way in the same run. The issue's goal is ≥ 80 % of the copy bandwidth.
+(:mod:`commopt.kernels.cupy_kernels`) moves a known number of bytes (counted below, reads +
+writes, each byte once); its throughput is that count over its time, measured with CUDA
+events on torch's current stream (median of ``--rounds``). The yardstick is a
+device-to-device ``copy_`` of the same 4N bytes (2·4N bytes moved), timed the same way in the
+same run. The issue's goal is ≥ 80 % of the copy bandwidth.
 
 Requires a CUDA GPU and CuPy; exits with a message otherwise.
 
