@@ -183,6 +183,67 @@ def test_four_ranks_warmup_replicas_and_call_count():
                 assert nbytes == expect
 
 
+# -- the compression stage against a reference built on compressed_allreduce ---------------------
+def _against_reference(backend):
+    """Run OnebitAdam and, beside it, SPEC §2 written out with commopt.compressed_allreduce as
+    the (separately tested) primitive: the momentum of the whole model, not the gradient, is
+    what travels; then the mask; bias correction with v frozen at step freeze_step."""
+    n, rank = backend.world_size, backend.rank
+    model = make_model(seed=21)
+    mask = first_layer_mask()
+    opt = OnebitAdam(make_groups(model, mask), freeze_step=WARMUP, backend=backend)
+    groups = make_groups(make_model(seed=21), mask)  # same numbers, owned by the reference
+    params = [p.detach().clone() for g in groups for p in g["params"]]
+    owner = [gi for gi, g in enumerate(groups) for _ in g["params"]]
+    sizes = [p.numel() for p in params]
+    m = [torch.zeros_like(p) for p in params]
+    v = [torch.zeros_like(p) for p in params]
+    total = sum(sizes)
+    e = torch.zeros(commopt.padded_size(total, n))
+    f = torch.zeros(e.numel() // n)
+    worst = []
+    for t in range(1, WARMUP + COMPRESSED + 1):
+        opt.zero_grad()
+        shard_loss(model, rank, n).backward()
+        opt.step()
+        # The reference sees this rank's gradient at the reference's own parameters.
+        work = make_model(seed=21)
+        with torch.no_grad():
+            for w, p in zip(work.parameters(), params, strict=True):
+                w.copy_(p)
+        shard_loss(work, rank, n).backward()
+        grads = [w.grad.clone() for w in work.parameters()]
+        if t <= WARMUP:
+            for g in grads:
+                backend.all_reduce(g, "avg")
+        for i, g in enumerate(grads):
+            b1, b2 = groups[owner[i]]["betas"]
+            m[i] = b1 * m[i] + (1 - b1) * g
+            if t <= WARMUP:
+                v[i] = b2 * v[i] + (1 - b2) * g * g
+        if t > WARMUP:
+            flat = commopt.compressed_allreduce(torch.cat([x.reshape(-1) for x in m]), e, f)
+            m = [c.view_as(x) for c, x in zip(flat.split(sizes), m, strict=True)]
+            m[0] = m[0] * mask
+        for i in range(len(params)):
+            opts = groups[owner[i]]
+            b1, b2 = opts["betas"]
+            m_hat = m[i] / (1 - b1**t)
+            v_hat = v[i] / (1 - b2 ** min(t, WARMUP))
+            step = m_hat / (v_hat.sqrt() + 1e-8) + opts["weight_decay"] * params[i]
+            params[i] = params[i] - opts["lr"] * step
+        worst.append(
+            max((p - q).abs().max().item() for p, q in zip(model.parameters(), params, strict=True))
+        )
+    return worst
+
+
+def test_two_ranks_compression_stage_matches_reference():
+    results = run_ranks(_against_reference, 2, timeout=TIMEOUT)
+    for rank, worst in enumerate(results):
+        assert max(worst) <= 1e-6, f"rank {rank}: largest parameter difference per step {worst}"
+
+
 # -- convergence ----------------------------------------------------------------------------------
 STEPS, FREEZE, LR, DIM = 150, 30, 0.1, 20
 
