@@ -1,0 +1,147 @@
+"""Hugging Face ``Trainer`` with ``commopt.OnebitAdam`` on a tiny GPT-2 built from a config.
+
+Nothing is downloaded: the model is ``GPT2LMHeadModel(GPT2Config(...))`` with random weights and
+the data is a synthetic next-token task (counting sequences with random starts and strides).
+
+    torchrun --nproc_per_node 2 examples/hf_trainer_gpt2.py --max-steps 60 --out /tmp/hf-run
+
+Under ``torchrun`` the Trainer (through accelerate) wraps the model in DistributedDataParallel,
+which would all-reduce every gradient in ``backward()`` — and the 1-bit optimizer would then
+average it a second time. ``CommoptTrainer`` registers a DDP communication hook that sends
+nothing, so the gradients stay local and the optimizer alone communicates: full-precision
+averages for ``freeze_step`` steps, then one bit per element. Rank 0 writes ``result.json``
+(losses, the optimizer's ``comm_stats()``, whether the replicas ended identical).
+"""
+
+import argparse
+import json
+import math
+import os
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+
+import commopt
+
+VOCAB, LENGTH = 64, 32
+
+
+class CountingDataset(torch.utils.data.Dataset):
+    """Sequences a, a+s, a+2s, … (mod VOCAB): the next token follows from the last two."""
+
+    def __init__(self, size: int, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        start = torch.randint(0, VOCAB, (size, 1), generator=g)
+        stride = torch.randint(1, 4, (size, 1), generator=g)
+        self.ids = (start + stride * torch.arange(LENGTH)) % VOCAB
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def _local_only(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """A DDP communication hook that leaves each rank's gradient as it is (sends nothing)."""
+    del state
+    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    fut.set_result(bucket.buffer())
+    return fut
+
+
+class CommoptTrainer(Trainer):
+    """A Trainer whose optimizer does the gradient averaging (DDP is told to send nothing)."""
+
+    def training_step(self, model, inputs, num_items_in_batch=None):  # type: ignore[override]
+        if isinstance(model, DistributedDataParallel) and not getattr(model, "_commopt", False):
+            model.register_comm_hook(None, _local_only)
+            model._commopt = True
+        return super().training_step(model, inputs, num_items_in_batch)
+
+
+class LossLog(TrainerCallback):
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_log(self, args, state, control, logs=None, **kwargs):  # type: ignore[override]
+        if logs and "loss" in logs:
+            self.losses.append(float(logs["loss"]))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--max-steps", type=int, default=60)
+    parser.add_argument("--freeze-step", type=int, default=15)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--out", default="hf-run")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+
+    torch.manual_seed(0)  # same initial weights everywhere (DDP also broadcasts rank 0's)
+    config = GPT2Config(
+        vocab_size=VOCAB,
+        n_positions=LENGTH,
+        n_embd=32,
+        n_layer=2,
+        n_head=2,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
+    model = GPT2LMHeadModel(config)
+    opt = commopt.OnebitAdam(model.parameters(), lr=args.lr, freeze_step=args.freeze_step)
+    warmup = max(1, args.max_steps // 10)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt,
+        lambda t: min(1.0, (t + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * t / args.max_steps)),
+    )
+    training_args = TrainingArguments(
+        output_dir=args.out,
+        max_steps=args.max_steps,
+        per_device_train_batch_size=16,
+        logging_steps=5,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=not torch.cuda.is_available(),
+        ddp_broadcast_buffers=False,
+        dataloader_num_workers=0,
+        seed=0,
+        disable_tqdm=True,
+    )
+    log = LossLog()
+    trainer = CommoptTrainer(
+        model=model,
+        args=training_args,
+        train_dataset=CountingDataset(4096),
+        optimizers=(opt, sched),
+        callbacks=[log],
+    )
+    trainer.train()
+
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    identical = True
+    if dist.is_initialized():
+        everyone = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
+        dist.all_gather(everyone, flat)
+        identical = all(torch.equal(everyone[0], t) for t in everyone)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        os.makedirs(args.out, exist_ok=True)
+        stats = opt.comm_stats()
+        with open(os.path.join(args.out, "result.json"), "w") as f:
+            json.dump(
+                {
+                    "losses": log.losses,
+                    "replicas_identical": identical,
+                    "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+                    "comm_stats": {k: v for k, v in stats.items() if not isinstance(v, dict)},
+                },
+                f,
+                indent=1,
+            )
+
+
+if __name__ == "__main__":
+    main()
