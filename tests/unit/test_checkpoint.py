@@ -235,3 +235,27 @@ def test_plain_torch_optimizer_round_trip(tmp_path):
     _train(fresh, opt2, range(3, 6))
     for a, b in zip(expected, _params(fresh), strict=True):
         assert torch.equal(a, b)
+
+
+def test_bf16_resume_keeps_the_fp32_master_weights(tmp_path):
+    model = _model().to(torch.bfloat16)
+    opt = commopt.OnebitAdam(model.parameters(), lr=1e-2, freeze_step=3)
+
+    def train(m, o, steps):
+        for t in steps:
+            x, y = _batch(t)
+            o.zero_grad()
+            torch.nn.functional.mse_loss(m(x.bfloat16()).float(), y).backward()
+            o.step()
+
+    train(model, opt, range(4))
+    commopt.save_checkpoint(tmp_path / "ck", model, opt)
+    train(model, opt, range(4, 8))
+    fresh = _model(seed=2).to(torch.bfloat16)
+    opt2 = commopt.OnebitAdam(fresh.parameters(), lr=1e-2, freeze_step=3)
+    commopt.load_checkpoint(tmp_path / "ck", fresh, opt2)
+    assert all(opt2.state[p]["master"].dtype == torch.float32 for p in fresh.parameters())
+    train(fresh, opt2, range(4, 8))
+    for p, q in zip(model.parameters(), fresh.parameters(), strict=True):
+        assert torch.equal(p, q)
+        assert torch.equal(opt.state[p]["master"], opt2.state[q]["master"])
