@@ -15,10 +15,20 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 echo "== installing commopt and its dependencies into .venv (scripts/setup_env.sh)"
 t0=$SECONDS
-bash scripts/setup_env.sh
+# (pip's warnings about package-index folders absent on this machine are filtered out)
+bash scripts/setup_env.sh 2> >(grep -v 'is ignored: it is neither a file nor a directory' >&2)
 echo "   done in $((SECONDS - t0)) s"
 . .venv/bin/activate
 . scripts/mpi_env.sh
+echo "== compiling commopt's numba CPU kernels once (cached on disk; skipped without numba)"
+python -c "
+try:
+    from commopt.kernels.numba_kernels import NumbaKernels
+except ImportError as err:
+    print('   numba unavailable, the reference TorchKernels will be used:', err)
+else:
+    NumbaKernels().warm_up()
+"
 echo "== mpiexec -n ${DEMO_RANKS:-4}: one process per rank, $(nproc) CPU core(s) shared"
 timeout "${DEMO_TIMEOUT:-900}" mpiexec -n "${DEMO_RANKS:-4}" \
   python experiments/demo/train_bytelm.py "$@"

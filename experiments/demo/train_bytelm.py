@@ -43,6 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import commopt
+from commopt.kernels import get_kernels
 
 __all__ = ["VARIANTS", "ByteMLP", "Config", "Variant", "load_corpus", "main"]
 
@@ -314,7 +315,9 @@ def report(variants: list[Variant], results: list[Result], cfg: Config, n: int, 
         "bytes: commopt's modelled per-rank bytes over the training steps (SPEC §7: ring "
         "all_reduce 2(n-1)/n·B; compressed 2(n-1)/n·N/8 + scales; plus a 16-byte flag all_reduce "
         "per commopt step). ms/step: median wall time of forward+backward+communication+update "
-        "on this rank-0 process.",
+        "on this rank-0 process. Here the ranks talk over loopback and share the CPU cores, so "
+        "time per step measures computation, not a network; for the emulated 1 Gbit/s network "
+        "see docs/performance.md.",
         *(f"{v.label}: {v.description}" for v in variants),
     ]
     return "\n".join(lines)
@@ -365,7 +368,8 @@ def main(argv: list[str] | None = None) -> int:
     numel = sum(p.numel() for p in ByteMLP(cfg.context, cfg.embed, cfg.hidden).parameters())
     log(
         f"commopt demo: {n} ranks on backend {backend!r}, torch {torch.__version__}, "
-        f"python {sys.version.split()[0]}\n"
+        f"python {sys.version.split()[0]}, compressed-allreduce kernels: "
+        f"{get_kernels(torch.device('cpu')).name}\n"
         f"corpus: standard library at {sysconfig.get_paths()['stdlib']}: "
         f"{n_train} train files ({len(train_data) / 1e6:.1f} MB), "
         f"{n_val} validation files ({len(val_data) / 1e6:.1f} MB)"
