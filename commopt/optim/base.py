@@ -148,6 +148,8 @@ class CompressedOptimizer(torch.optim.Optimizer):
         return {
             "calls": stats.calls,
             "bytes_sent": stats.bytes_sent,
+            # modelled per collective (comm/base.py); these collectives are symmetric under it
+            "bytes_received": stats.bytes_sent,
             "calls_by_op": dict(stats.calls_by_op),
             "bytes_by_op": dict(stats.bytes_by_op),
             "full_precision_rounds": self._full_rounds,

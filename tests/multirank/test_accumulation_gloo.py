@@ -102,6 +102,7 @@ def test_comm_stats_and_logging():
         assert stats["full_precision_rounds"] == 2 and stats["compressed_rounds"] == 3
         assert stats["skipped_steps"] == 0
         assert stats["bytes_sent"] > 0 and stats["calls"] == sum(stats["calls_by_op"].values())
+        assert stats["bytes_received"] == stats["bytes_sent"]
         assert len(r["records"]) == 2  # steps 2 and 4
         assert r["records"][0].startswith("OnebitAdam step 2: ")
         assert "compression error n/a" in r["records"][0]
