@@ -23,7 +23,7 @@ import pytest
 from commopt.launch import launched_by_mpi
 
 # Seconds one test may take on any rank before that rank is killed (and with it the job).
-PER_TEST_TIMEOUT = 120
+PER_TEST_TIMEOUT = 180
 
 if not launched_by_mpi():
     collect_ignore_glob = ["*"]
