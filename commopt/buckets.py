@@ -46,7 +46,8 @@ class Bucket:
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """One view of ``flat`` per parameter, shaped like it."""
         return [
-            flat[o : o + p.numel()].view(p.shape) for p, o in zip(self.params, self.offsets, strict=True)
+            flat[o : o + p.numel()].view(p.shape)
+            for p, o in zip(self.params, self.offsets, strict=True)
         ]
 
 

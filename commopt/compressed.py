@@ -46,12 +46,16 @@ def padded_size(numel: int, world_size: int) -> int:
     A multiple of 8·n makes every server chunk N/n a whole number of bytes once packed.
     """
     if numel < 0 or world_size < 1:
-        raise ValueError(f"padded_size needs numel >= 0 and world_size >= 1, got {numel}, {world_size}")
+        raise ValueError(
+            f"padded_size needs numel >= 0 and world_size >= 1, got {numel}, {world_size}"
+        )
     unit = 8 * world_size
     return -(-numel // unit) * unit
 
 
-def _check_error_buffer(name: str, buf: torch.Tensor, numel: int, like: torch.Tensor, how: str) -> None:
+def _check_error_buffer(
+    name: str, buf: torch.Tensor, numel: int, like: torch.Tensor, how: str
+) -> None:
     if not isinstance(buf, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(buf).__name__}")
     if buf.dtype != torch.float32:
@@ -112,11 +116,15 @@ def compressed_allreduce(
     numel = tensor.numel()
     padded = padded_size(numel, n)
     _check_error_buffer("worker_error", worker_error, padded, tensor, f"padded_size({numel}, {n})")
-    _check_error_buffer("server_error", server_error, padded // n, tensor, f"padded_size({numel}, {n}) // {n}")
+    _check_error_buffer(
+        "server_error", server_error, padded // n, tensor, f"padded_size({numel}, {n}) // {n}"
+    )
     if out is None:
         out = torch.empty_like(tensor)
     elif out.shape != tensor.shape or out.dtype != tensor.dtype:
-        raise ValueError(f"out must match the tensor's shape and dtype ({tensor.shape}, {tensor.dtype})")
+        raise ValueError(
+            f"out must match the tensor's shape and dtype ({tensor.shape}, {tensor.dtype})"
+        )
 
     if n == 1:
         if not bool(torch.isfinite(tensor).all()):
@@ -132,7 +140,9 @@ def compressed_allreduce(
 
     # 3. phase 1a: (s, L) from everyone; agree on L and finiteness before touching e.
     meta = torch.tensor(
-        [0.0, numel & ((1 << _LOW_BITS) - 1), numel >> _LOW_BITS], dtype=torch.float32, device=x.device
+        [0.0, numel & ((1 << _LOW_BITS) - 1), numel >> _LOW_BITS],
+        dtype=torch.float32,
+        device=x.device,
     )
     meta[0] = s[0]
     all_meta = torch.empty(3 * n, dtype=torch.float32, device=x.device)
@@ -142,8 +152,8 @@ def compressed_allreduce(
     lengths = [int(lo) + (int(hi) << _LOW_BITS) for lo, hi in meta_host[:, 1:].tolist()]
     if len(set(lengths)) != 1:
         raise ValueError(
-            f"compressed_allreduce: every rank must pass the same number of elements, got {lengths} "
-            "(rank order)"
+            "compressed_allreduce: every rank must pass the same number of elements, got "
+            f"{lengths} (rank order)"
         )
     finite = torch.isfinite(meta_host[:, 0])
     if not bool(finite.all()):
@@ -185,5 +195,3 @@ def compression_bytes(numel: int, world_size: int) -> int:
         return 0
     padded = padded_size(numel, n)
     return 2 * (n - 1) * padded // (8 * n) + (n - 1) * (3 + 1) * 4
-
-

@@ -69,7 +69,9 @@ class CommStats:
 
     def snapshot(self) -> CommStats:
         """A copy that later calls do not change (subtract two snapshots to measure a region)."""
-        return CommStats(self.calls, self.bytes_sent, dict(self.calls_by_op), dict(self.bytes_by_op))
+        return CommStats(
+            self.calls, self.bytes_sent, dict(self.calls_by_op), dict(self.bytes_by_op)
+        )
 
     def __sub__(self, other: CommStats) -> CommStats:
         ops = set(self.calls_by_op) | set(other.calls_by_op)

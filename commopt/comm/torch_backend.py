@@ -70,4 +70,6 @@ class TorchBackend:
         dist.barrier(group=self.group)
 
     def __repr__(self) -> str:
-        return f"TorchBackend(engine={self.engine!r}, rank={self.rank}, world_size={self.world_size})"
+        return (
+            f"TorchBackend(engine={self.engine!r}, rank={self.rank}, world_size={self.world_size})"
+        )

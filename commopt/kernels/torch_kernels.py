@@ -59,7 +59,9 @@ class TorchKernels:
 
     name = "torch"
 
-    def compensate(self, x: torch.Tensor, worker_error: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    def compensate(
+        self, x: torch.Tensor, worker_error: torch.Tensor, c: torch.Tensor
+    ) -> torch.Tensor:
         """Step 1–2: c = pad(x) + e; return s = ‖c‖₂/√N (1-element fp32 tensor)."""
         n_true = x.numel()
         torch.add(x, worker_error[:n_true], out=c[:n_true])

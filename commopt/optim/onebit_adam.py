@@ -139,7 +139,7 @@ class OnebitAdam(CompressedOptimizer):
             sl = slice(seg.start, seg.stop)
             # Same operation order as torch.optim.Adam, so warmup at n = 1 matches it.
             denom = torch.sqrt(v[sl], out=out[sl]).div_(bc2_sqrt).add_(group["eps"])
-            update = torch.div(m[sl], denom, out=denom).mul_(-lr / bc1)
+            torch.div(m[sl], denom, out=denom).mul_(-lr / bc1)  # denom now holds the update
             if wd != 0:
                 for p in seg.params:
                     p.mul_(1 - lr * wd)

@@ -35,9 +35,7 @@ def _worker(rank: int, n: int, path: str, fn: Callable, args: tuple, queue: Any)
         torch.set_num_threads(1)
         from commopt.comm import TorchBackend, set_default_backend
 
-        dist.init_process_group(
-            "gloo", init_method=f"file://{path}", rank=rank, world_size=n
-        )
+        dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=n)
         backend = TorchBackend()
         set_default_backend(backend)
         result = fn(backend, *args)
