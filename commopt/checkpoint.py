@@ -100,10 +100,22 @@ def _tensor_hash(t: torch.Tensor) -> int:
     return int.from_bytes(h.digest(), "little") >> 1
 
 
-def _differs_across_ranks(tensors: list[torch.Tensor], be: Backend) -> list[bool]:
-    """For each tensor, whether its contents differ between ranks (one all-reduce)."""
-    if be.world_size == 1 or not tensors:
+def _differs_across_ranks(tensors: list[torch.Tensor], names: list[str], be: Backend) -> list[bool]:
+    """For each tensor, whether its contents differ between ranks (two small all-reduces).
+
+    If the ranks do not even hold the same list of tensors (state created on some ranks only),
+    every tensor counts as per rank: each shard then carries its rank's complete state.
+    """
+    if be.world_size == 1:
         return [False] * len(tensors)
+    h = hashlib.blake2b("\n".join(names).encode(), digest_size=8)
+    layout = torch.tensor([len(tensors), int.from_bytes(h.digest(), "little") >> 1])
+    both = torch.cat([layout, -layout])
+    be.all_reduce(both, "max")
+    if not torch.equal(both[:2], -both[2:]):
+        return [True] * len(tensors)
+    if not tensors:
+        return []
     hashes = torch.tensor([_tensor_hash(t) for t in tensors], dtype=torch.int64)
     both = torch.cat([hashes, -hashes])
     be.all_reduce(both, "max")
@@ -222,7 +234,8 @@ def save_checkpoint(
     ]
     model_keys = [k for k, v in model_sd.items() if isinstance(v, torch.Tensor)]
     tensors = [model_sd[k] for k in model_keys] + [opt_sd["state"][i][k] for i, k in opt_keys]
-    differs = _differs_across_ranks(tensors, be)
+    names = [f"model/{k}" for k in model_keys] + [f"opt/{i}/{k}" for i, k in opt_keys]
+    differs = _differs_across_ranks(tensors, names, be)
     per_rank_model = [k for k, d in zip(model_keys, differs[: len(model_keys)], strict=True) if d]
     per_rank_opt = [ik for ik, d in zip(opt_keys, differs[len(model_keys) :], strict=True) if d]
 

@@ -213,3 +213,27 @@ def test_a_failure_on_one_rank_is_raised_on_every_rank(tmp_path):
     assert "failed on rank(s) [1]" in results[0]["message"]
     assert "is corrupt" in results[1]["message"]
     assert results[0]["unchanged"] and results[1]["unchanged"]
+
+
+def _uneven_state(backend, path: str):
+    model = _net(0)
+    opt = _onebit_adam(model.parameters())
+    _train(model, opt, backend.rank, range(2))
+    if backend.rank == 1:  # state that exists on one rank only
+        opt.state[model.a.weight]["only_here"] = torch.full((2,), 7.0)
+    commopt.save_checkpoint(path, model, opt)
+    fresh = _net(seed=3)
+    opt2 = _onebit_adam(fresh.parameters())
+    commopt.load_checkpoint(path, fresh, opt2)
+    return {
+        "has": "only_here" in opt2.state[fresh.a.weight],
+        "exp_avg": torch.equal(
+            opt.state[model.a.weight]["exp_avg"], opt2.state[fresh.a.weight]["exp_avg"]
+        ),
+    }
+
+
+def test_state_present_on_some_ranks_only_is_saved_per_rank(tmp_path):
+    results = run_ranks(_uneven_state, 2, str(tmp_path / "ck"), timeout=TIMEOUT)
+    assert [r["has"] for r in results] == [False, True]
+    assert all(r["exp_avg"] for r in results)
