@@ -247,3 +247,36 @@ def test_zero_one_adam_local_step_skips_only_the_rank_with_the_inf():
     assert results[0]["moved"] and not results[1]["moved"]
     assert results[0]["step"] == results[1]["step"] == 8
     assert torch.equal(results[0]["replicas"][0], results[0]["replicas"][1])  # synced at 8
+
+
+def _fp16_autocast_run(backend, name: str):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 3)
+    if name == "OnebitLamb":
+        opt = commopt.OnebitLamb(model.parameters(), lr=0.1, freeze_step=4)
+    else:
+        opt = FACTORIES[name](model.parameters())
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12, growth_interval=5)
+    losses = []
+    for step in range(1, 41):
+        x, y = _problem(torch.float32, backend.rank, step)
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            out = model(x)
+        loss = torch.nn.functional.mse_loss(out.float(), y)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        losses.append(float(loss.detach()))
+    return {
+        "losses": losses,
+        "replicas": _gather(backend, torch.cat([p.reshape(-1) for p in model.parameters()])),
+    }
+
+
+@pytest.mark.parametrize("name", sorted(FACTORIES))
+def test_fp16_autocast_with_grad_scaler_converges(name):
+    for r in run_ranks(_fp16_autocast_run, 2, name, timeout=TIMEOUT):
+        first, last = sum(r["losses"][:4]) / 4, sum(r["losses"][-4:]) / 4
+        assert last < 0.5 * first, (first, last)
+        assert torch.equal(r["replicas"][0], r["replicas"][1])
