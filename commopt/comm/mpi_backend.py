@@ -8,9 +8,11 @@ verify for you. MPI knows nothing of CUDA streams, so before a device buffer is 
 current stream is synchronized (staging does the same through its blocking device-to-host copy).
 
 MPI has no bfloat16 or float16 reduction, so reductions of those dtypes run in float32 and are
-rounded back once; data movement (gather, all-to-all, broadcast) is bitwise and works for every
-dtype (half types travel as 16-bit integers, ``bool`` as bytes). ``bool`` reductions follow
-torch.distributed: ``"sum"`` and ``"max"`` are a logical OR, ``"min"`` a logical AND.
+rounded back once (the byte counter still records the tensor's own 16-bit size, as for every
+backend, although twice that crosses the wire); data movement (gather, all-to-all, broadcast)
+is bitwise and works for every dtype (half types travel as 16-bit integers, ``bool`` as
+bytes). ``bool`` reductions follow torch.distributed: ``"sum"`` and ``"max"`` are a logical OR,
+``"min"`` a logical AND.
 """
 
 from __future__ import annotations
