@@ -269,10 +269,13 @@ def run_workload(args: argparse.Namespace, backends: Mapping[str, Backend]) -> i
     bar = m.progress(len(backends) * args.steps, rank, not args.no_progress, "onebit_adam")
     for step in range(args.steps):
         # Interleaved: step k runs on every backend before step k+1, so drift in the machine's
-        # load hits all of them alike. Same gradients for every backend.
+        # load hits all of them alike, in an order rotated every step, so that no backend always
+        # runs first or last. Same gradients for every backend.
         gen = torch.Generator().manual_seed(1000 * step + rank)
         grads = [torch.randn(s, generator=gen) for s in shapes]
-        for name, be in backends.items():
+        names = list(backends)
+        for name in names[step % len(names) :] + names[: step % len(names)]:
+            be = backends[name]
             for p, g in zip(params[name], grads, strict=True):
                 p.grad = g.clone()
             be.barrier()
