@@ -71,14 +71,21 @@ def _describe_machine() -> str:
     )
 
 
-def _timed(fn: Callable[[], object]) -> float:
-    """Seconds the slowest rank spent in ``fn`` (all ranks start together)."""
+def _timed(fn: Callable[[], object]) -> tuple[float, float]:
+    """(wall seconds of the slowest rank, mean CPU seconds per rank) for one call of ``fn``.
+
+    All ranks start together. CPU time is this process's, all threads (gloo's too): on a shared
+    machine it leaves out the time slices other jobs took, so it tells what the call costs in
+    computation when the wall time is inflated by contention.
+    """
     dist.barrier()
-    t0 = time.perf_counter()
+    c0, t0 = time.process_time(), time.perf_counter()
     fn()
-    elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-    return float(elapsed)
+    wall = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+    cpu = torch.tensor([time.process_time() - c0], dtype=torch.float64)
+    dist.all_reduce(wall, op=dist.ReduceOp.MAX)
+    dist.all_reduce(cpu)
+    return float(wall), float(cpu) / dist.get_world_size()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -132,14 +139,16 @@ def main(argv: list[str] | None = None) -> int:
     methods = {"compressed": compressed, "compressed_torch": compressed_torch}
     methods |= {"fp32": fp32, "fp16": fp16, _YARDSTICK: memcpy}
     times: dict[str, list[float]] = {m: [] for m in [*chosen, _YARDSTICK]}
+    cpu_times: dict[str, list[float]] = {m: [] for m in times}
     for i in range(args.warmup + args.reps):
         for m in times:
-            t = _timed(methods[m])
+            wall, cpu = _timed(methods[m])
             if i >= args.warmup:
-                times[m].append(t)
+                times[m].append(wall)
+                cpu_times[m].append(cpu)
 
     if rank == 0:
-        _report(args, chosen, times, backend, get_kernels(x.device).name)
+        _report(args, times, cpu_times, backend, get_kernels(x.device).name)
     dist.barrier()
     dist.destroy_process_group()
     return 0
@@ -147,8 +156,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _report(
     args: argparse.Namespace,
-    chosen: list[str],
     times: dict[str, list[float]],
+    cpu_times: dict[str, list[float]],
     backend: commopt.Backend,
     kernel_name: str,
 ) -> None:
@@ -167,14 +176,25 @@ def _report(
         f"{kernel_name!r} kernels, 'compressed_torch' TorchKernels; median of {args.reps} "
         f"after {args.warmup} warm-up rounds, each call timed on the slowest rank"
     )
-    print(f"| {'method':<16} | median ms | min ms | max ms | MB sent/rank | GB/s algbw |")
-    print("|------------------|-----------|--------|--------|--------------|------------|")
+    print(
+        f"| {'method':<16} | median ms | min ms | max ms | CPU ms/rank | MB sent/rank "
+        "| GB/s algbw |"
+    )
+    print(
+        "|------------------|-----------|--------|--------|-------------|--------------"
+        "|------------|"
+    )
     for m in times:
         v = times[m]
+        cpu = statistics.median(cpu_times[m])
         print(
             f"| {m:<16} | {med[m] * 1e3:9.1f} | {min(v) * 1e3:6.1f} | {max(v) * 1e3:6.1f} "
-            f"| {wire[m] / 1e6:12.2f} | {mb / 1e3 / med[m]:10.3f} |"
+            f"| {cpu * 1e3:11.1f} | {wire[m] / 1e6:12.2f} | {mb / 1e3 / med[m]:10.3f} |"
         )
+    print(
+        "CPU ms/rank: median over rounds of the mean over ranks of process CPU time per call "
+        "(excludes time slices taken by other jobs)"
+    )
     for c in ("compressed", "compressed_torch"):
         for m in ("fp32", "fp16"):
             if c in med and m in med:
@@ -183,6 +203,7 @@ def _report(
         with open(args.json, "w") as f:
             record = {"label": args.label, "machine": _describe_machine(), "world_size": n}
             record |= {"numel": args.numel, "kernels": kernel_name, "times_s": times}
+            record |= {"cpu_s": cpu_times}
             json.dump(record | {"median_s": med}, f, indent=1)
 
 
