@@ -28,6 +28,11 @@ class TorchBackend:
                 "torch.distributed.init_process_group() first"
             )
         self.group = group
+        if group is not None and dist.get_rank(group) < 0:
+            raise ValueError(
+                f"TorchBackend: global rank {dist.get_rank()} is not a member of the given process "
+                "group; create the backend only on the group's ranks"
+            )
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.stats = CommStats()

@@ -168,6 +168,21 @@ def test_subgroup_is_a_world_of_its_own() -> None:
 
 # -- broadcast_parameters ------------------------------------------------------------------------
 @torch.no_grad()
+def _outside_group(be: TorchBackend) -> str:
+    group = dist.new_group([0, 1])  # every rank must take part in creating it
+    try:
+        TorchBackend(group)
+    except ValueError as err:
+        return str(err)
+    return "created"
+
+
+def test_backend_on_a_rank_outside_its_group_is_refused() -> None:
+    results = run_ranks(_outside_group, 3)
+    assert results[:2] == ["created", "created"]
+    assert "global rank 2 is not a member of the given process group" in results[2]
+
+
 def _broadcast_parameters(be: TorchBackend, src: int) -> tuple[dict, dict]:
     torch.manual_seed(10 + be.rank)  # replicas start different
     model = torch.nn.Sequential(
