@@ -133,7 +133,7 @@ def _versions(backends: Mapping[str, Backend]) -> dict[str, str]:
         from mpi4py import MPI
 
         v["mpi4py"] = mpi4py.__version__
-        v["mpi_library"] = MPI.Get_library_version().splitlines()[0].strip()
+        v["mpi_library"] = MPI.Get_library_version().splitlines()[0].strip().rstrip("\x00")
     return v
 
 
