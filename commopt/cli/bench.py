@@ -181,7 +181,7 @@ def report(rows: Sequence[Mapping[str, Any]], names: Sequence[str], world_size: 
             for name in names:
                 c = cells.get(name)
                 parts.append(
-                    f"| {c['seconds'] * 1e3:9.3f} {c['algbw_GBps']:9.3f} {c['busbw_GBps']:9.3f}"
+                    f"| {c['seconds'] * 1e3:9.3f} {c['algbw_GBps']:9.3g} {c['busbw_GBps']:9.3g}"
                     if c
                     else f"| {'-':>9} {'-':>9} {'-':>9}"
                 )
