@@ -29,7 +29,7 @@ except ImportError as err:
 else:
     NumbaKernels().warm_up()
 "
-echo "== mpiexec -n ${DEMO_RANKS:-4}: one process per rank, $(nproc) CPU core(s) shared"
+echo "== mpiexec -n ${DEMO_RANKS:-4}: one process per rank, $(getconf _NPROCESSORS_ONLN) CPU core(s) shared"
 timeout "${DEMO_TIMEOUT:-900}" mpiexec -n "${DEMO_RANKS:-4}" \
   python experiments/demo/train_bytelm.py "$@"
 echo "== demo finished in $((SECONDS - t0)) s (setup included)"
