@@ -6,3 +6,6 @@ fi
 export PRTE_MCA_rmaps_default_mapping_policy=:oversubscribe
 export OMPI_MCA_btl=self,tcp OMPI_MCA_btl_tcp_if_include=lo
 export OMP_NUM_THREADS=1
+# Ranks waiting in MPI yield the core instead of busy-polling: with more ranks than cores,
+# polling ranks starve the ones still computing.
+export OMPI_MCA_mpi_yield_when_idle=1

@@ -4,8 +4,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
 . .venv/bin/activate
+# The Hugging Face Trainer example's test needs transformers (about 130 MB); the demo does not.
+python -m pip install -q -c constraints.txt -e ".[hf]"
 . scripts/mpi_env.sh
-ruff check commopt tests experiments
+ruff check commopt tests experiments examples
+ruff format --check commopt tests experiments examples
 python -m pytest -q -p no:cacheprovider
 # Every MPI test runs inside this one 4-rank job; a hung job is killed, never waited on.
-timeout 600 mpiexec -n 4 python -m pytest -q -p no:cacheprovider tests/multirank/mpi
+timeout 600 mpiexec -n 4 python -m pytest -q -p no:cacheprovider --color=no tests/multirank/mpi
