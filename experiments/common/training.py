@@ -9,7 +9,8 @@ Variants (labels as they appear in every table):
   from Python; the TCP benchmark uses it for timing only.
 - ``DDP-fp16``: DDP with ``default_hooks.fp16_compress_hook`` + ``torch.optim.Adam``.
 - ``DDP-PowerSGD``: DDP with ``powerSGD_hook`` (rank ``powersgd_rank``, error feedback, warm
-  start, plain all_reduce for the first ``warmup`` iterations) + ``torch.optim.Adam``.
+  start, plain all_reduce for the first ``warmup`` iterations) + ``torch.optim.Adam``, in ONE
+  bucket (see :func:`make_setup`).
 - ``OnebitAdam``, ``ZeroOneAdam``, ``OnebitLamb``: the commopt optimizers with ``warmup`` as
   ``freeze_step`` / ``var_freeze_step``.
 - ``LAMB``: ``commopt.OnebitLamb`` with ``freeze_step`` larger than the run, i.e. only its
@@ -338,7 +339,14 @@ def make_setup(label: str, model: nn.Module, hp: Hyper) -> Setup:
     backend.stats.reset()
     n = backend.world_size
     if label.startswith("DDP"):
-        ddp = DistributedDataParallel(model)
+        if label == "DDP-PowerSGD":
+            # One bucket: with several, PowerSGD's chained all_reduce callbacks can complete in
+            # a different order on different ranks and gloo then pairs mismatched collectives
+            # ("Received data size doesn't match expected size"), seen on netlab at 25M params.
+            mib = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
+            ddp = DistributedDataParallel(model, bucket_cap_mb=max(25, int(mib) + 1))
+        else:
+            ddp = DistributedDataParallel(model)
         counter = None
         if label == "DDP-fp16":
             ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
