@@ -30,7 +30,13 @@ from commopt.buckets import DEFAULT_BUCKET_NUMEL, Bucket, build_buckets
 from commopt.comm import Backend, CommStats, resolve_backend
 from commopt.compressed import compressed_allreduce, padded_size
 
-__all__ = ["CompressedOptimizer", "check_beta", "check_nonnegative", "check_step_count"]
+__all__ = [
+    "CompressedOptimizer",
+    "check_adam_arguments",
+    "check_beta",
+    "check_nonnegative",
+    "check_step_count",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +49,17 @@ def check_nonnegative(name: str, value: float) -> None:
 def check_beta(index: int, value: float) -> None:
     if not 0.0 <= value < 1.0:
         raise ValueError(f"Invalid beta parameter at index {index}: {value} (must be in [0, 1))")
+
+
+def check_adam_arguments(
+    lr: float, betas: tuple[float, float], eps: float, weight_decay: float
+) -> None:
+    """The checks every Adam-family constructor makes, with torch.optim's wording."""
+    check_nonnegative("learning rate", lr)
+    check_nonnegative("epsilon value", eps)
+    check_nonnegative("weight_decay value", weight_decay)
+    check_beta(0, betas[0])
+    check_beta(1, betas[1])
 
 
 def check_step_count(name: str, value: int, minimum: int, why: str) -> None:

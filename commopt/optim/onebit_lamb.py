@@ -9,7 +9,12 @@ import torch
 
 from commopt.buckets import Bucket, Segment
 from commopt.comm import Backend
-from commopt.optim.base import CompressedOptimizer, check_beta, check_nonnegative, check_step_count
+from commopt.optim.base import (
+    CompressedOptimizer,
+    check_adam_arguments,
+    check_nonnegative,
+    check_step_count,
+)
 
 __all__ = ["OnebitLamb"]
 
@@ -154,11 +159,7 @@ class OnebitLamb(CompressedOptimizer):
         factor_threshold: float = 0.1,
         backend: Backend | None = None,
     ) -> None:
-        check_nonnegative("learning rate", lr)
-        check_nonnegative("epsilon value", eps)
-        check_nonnegative("weight_decay value", weight_decay)
-        check_beta(0, betas[0])
-        check_beta(1, betas[1])
+        check_adam_arguments(lr, betas, eps, weight_decay)
         check_step_count(
             "freeze_step", freeze_step, 1, "the variance has to be estimated before it is frozen"
         )

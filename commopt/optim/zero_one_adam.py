@@ -8,7 +8,11 @@ import torch
 
 from commopt.buckets import Bucket
 from commopt.comm import Backend
-from commopt.optim.base import CompressedOptimizer, check_beta, check_nonnegative, check_step_count
+from commopt.optim.base import (
+    CompressedOptimizer,
+    check_adam_arguments,
+    check_step_count,
+)
 
 __all__ = ["ZeroOneAdam"]
 
@@ -113,11 +117,7 @@ class ZeroOneAdam(CompressedOptimizer):
         local_step_clipper: int = 16,
         backend: Backend | None = None,
     ) -> None:
-        check_nonnegative("learning rate", lr)
-        check_nonnegative("epsilon value", eps)
-        check_nonnegative("weight_decay value", weight_decay)
-        check_beta(0, betas[0])
-        check_beta(1, betas[1])
+        check_adam_arguments(lr, betas, eps, weight_decay)
         check_step_count(
             "var_freeze_step",
             var_freeze_step,
