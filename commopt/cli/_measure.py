@@ -236,3 +236,30 @@ def parse_list(text: str, allowed: Iterable[str], what: str) -> list[str]:
             f"{what}: {bad or text!r} not recognised; choose from {', '.join(allowed)}"
         )
     return items
+
+
+def add_sweep_arguments(p: Any, default_factor: int) -> None:
+    """The arguments ``tune`` and ``bench`` share: sizes, repetitions, operations, backends."""
+    p.add_argument("--min-bytes", type=parse_bytes, default=1 << 10, help="smallest size (1KiB)")
+    p.add_argument("--max-bytes", type=parse_bytes, default=64 << 20, help="largest size (64MiB)")
+    p.add_argument(
+        "--factor",
+        type=int,
+        default=default_factor,
+        help=f"ratio of successive sizes ({default_factor})",
+    )
+    p.add_argument("--reps", type=int, default=5, help="timed repetitions per point (5)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed calls before timing (2)")
+    p.add_argument(
+        "--ops",
+        type=lambda s: parse_list(s, COLLECTIVES, "--ops"),
+        default=list(COLLECTIVES),
+        help="comma-separated subset of " + ",".join(COLLECTIVES),
+    )
+    p.add_argument(
+        "--backends",
+        type=lambda s: parse_list(s, ("torch", "mpi"), "--backends"),
+        default=None,
+        help="restrict to these backends (default: every available one)",
+    )
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")

@@ -42,33 +42,16 @@ _HALF = ("float16", "bfloat16")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--min-bytes", type=m.parse_bytes, default=1 << 10, help="smallest size (1KiB)")
-    p.add_argument("--max-bytes", type=m.parse_bytes, default=64 << 20, help="largest size (64MiB)")
-    p.add_argument("--factor", type=int, default=4, help="ratio of successive sizes (4)")
-    p.add_argument("--reps", type=int, default=5, help="timed repetitions per point (5)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed calls before timing (2)")
-    p.add_argument(
-        "--ops",
-        type=lambda s: m.parse_list(s, m.COLLECTIVES, "--ops"),
-        default=list(m.COLLECTIVES),
-        help="comma-separated subset of " + ",".join(m.COLLECTIVES),
-    )
+    m.add_sweep_arguments(p, default_factor=4)
     p.add_argument(
         "--half-dtypes",
         type=lambda s: m.parse_list(s, (*_HALF, "none"), "--half-dtypes"),
         default=list(_HALF),
         help="half dtypes all_reduce is also measured in (float16,bfloat16; 'none' for none)",
     )
-    p.add_argument(
-        "--backends",
-        type=lambda s: m.parse_list(s, ("torch", "mpi"), "--backends"),
-        default=None,
-        help="restrict to these backends (default: every available one)",
-    )
     p.add_argument("--table", default=None, help="selection table: add a 'mixed' backend column")
     p.add_argument("--csv", default=None, help="also write one row per (op, dtype, size, backend)")
     p.add_argument("--plot", default=None, help="PNG: time vs size, one line per backend per op")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument(
         "--workload",
         choices=("onebit_adam",),

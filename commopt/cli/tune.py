@@ -42,28 +42,12 @@ _REDUCE_DTYPES = ("float32", "float16", "bfloat16")
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-o", "--output", default="commopt_table.json", help="table to write (JSON)")
-    p.add_argument("--min-bytes", type=m.parse_bytes, default=1 << 10, help="smallest size (1KiB)")
-    p.add_argument("--max-bytes", type=m.parse_bytes, default=64 << 20, help="largest size (64MiB)")
-    p.add_argument("--factor", type=int, default=2, help="ratio of successive sizes (2)")
-    p.add_argument("--reps", type=int, default=5, help="timed repetitions per point (5)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed calls before timing (2)")
-    p.add_argument(
-        "--ops",
-        type=lambda s: m.parse_list(s, m.COLLECTIVES, "--ops"),
-        default=list(m.COLLECTIVES),
-        help="comma-separated subset of " + ",".join(m.COLLECTIVES),
-    )
+    m.add_sweep_arguments(p, default_factor=2)
     p.add_argument(
         "--reduce-dtypes",
         type=lambda s: m.parse_list(s, _REDUCE_DTYPES, "--reduce-dtypes"),
         default=list(_REDUCE_DTYPES),
         help="dtypes all_reduce is measured in (float32,float16,bfloat16)",
-    )
-    p.add_argument(
-        "--backends",
-        type=lambda s: m.parse_list(s, ("torch", "mpi"), "--backends"),
-        default=None,
-        help="restrict to these backends (default: every available one)",
     )
     p.add_argument(
         "--tie",
@@ -72,7 +56,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="relative margin under which the previous size's winner is kept, to avoid "
         "flip-flopping on noise (0.05)",
     )
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def _points(ops: Sequence[str], reduce_dtypes: Sequence[str]) -> list[tuple[str, torch.dtype]]:
