@@ -170,10 +170,6 @@ class _Watched:
                 pass
         os._exit(EXIT_CODE)
 
-    def close(self) -> None:
-        """Stop the watchdog thread (the wrapped backend stays usable)."""
-        self._wd_stop.set()
-
     # -- collectives -----------------------------------------------------------------------
     def all_reduce(self, t: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
         fn = super().all_reduce  # type: ignore[misc]
