@@ -2,7 +2,8 @@
 # The README's first command. Installs what it needs into .venv (scripts/setup_env.sh), then runs
 # a real 4-rank data-parallel job under mpiexec — four processes, gloo over loopback, bootstrapped
 # by commopt.init() over MPI — that trains a byte-level language model on the Python standard
-# library's sources with uncompressed Adam and with 1-bit Adam, and prints the comparison table.
+# library's sources with Adam, 1-bit Adam, 0/1 Adam, LAMB and 1-bit LAMB, and prints the
+# comparison table (loss, bytes sent per rank, communication rounds, time per step).
 #
 #   bash scripts/demo.sh                       # defaults: 300 steps, 75 of them warmup
 #   bash scripts/demo.sh --steps 600 --warmup 150

@@ -1,4 +1,4 @@
-r"""Data-parallel training of a small byte-level language model: uncompressed Adam vs 1-bit Adam.
+r"""Data-parallel byte-level language model: Adam, 1-bit Adam, 0/1 Adam, LAMB and 1-bit LAMB.
 
 Run it under a launcher, one process per rank (``scripts/demo.sh`` does this)::
 
