@@ -140,12 +140,13 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float =
     if any(v in os.environ for v in ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")):
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
         commopt.init(timeout=timeout)
+        rank = rank_and_size()[0]
         try:
             result = fn(*args)
         finally:
             if dist.is_initialized():
                 dist.destroy_process_group()
-        return result if rank_and_size()[0] == 0 or not dist.is_initialized() else None
+        return result if rank == 0 else None
     ctx = mp.get_context("fork")
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:

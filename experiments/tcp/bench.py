@@ -70,8 +70,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     """Run on every rank: each variant's mean step time and traffic (rank 0's dict)."""
     rank, n = dist.get_rank(), dist.get_world_size()
     hp = Hyper(
-        lr=1e-4,
-        lamb_lr=1e-3,
+        # Tiny steps: timing only. With larger ones 0/1 Adam, whose variance is frozen after
+        # `warmup` steps without bias correction, blew up and then skipped its steps.
+        lr=1e-6,
+        lamb_lr=1e-6,
         warmup=args.warmup,
         steps=args.warmup + args.settle + args.measure,
         powersgd_rank=args.powersgd_rank,
@@ -101,7 +103,11 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         setup.close()
+        skipped = 0
+        if hasattr(setup.optimizer, "comm_stats"):
+            skipped = setup.optimizer.comm_stats()["skipped_steps"]
         entry = {
+            "skipped_steps": skipped,
             "mean_ms": 1e3 * float(elapsed) / args.measure,
             "median_ms": 1e3 * statistics.median(step_s),
             "max_ms": 1e3 * max(step_s),
