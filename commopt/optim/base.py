@@ -75,6 +75,16 @@ def _fingerprint(p: torch.Tensor) -> int:
     return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
 
 
+def _all_finite(t: torch.Tensor) -> bool:
+    """Whether every element of ``t`` is finite, in one cheap pass in the common case.
+
+    Any inf or NaN element makes the floating-point sum inf or NaN, so a finite sum proves the
+    tensor finite; only a non-finite sum (which finite values can also give, by overflow) needs
+    the exact elementwise check.
+    """
+    return bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all())
+
+
 class CompressedOptimizer(torch.optim.Optimizer):
     """Base class: subclasses implement ``_step(t)`` and name their flat state keys."""
 
@@ -329,7 +339,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
                     continue
                 if g.is_sparse:
                     sparse_where = sparse_where or f"param_groups[{gi}]['params'][{pi}]"
-                elif not nonfinite and not bool(torch.isfinite(g).all()):
+                elif not nonfinite and not _all_finite(g):
                     nonfinite = True
         flags = torch.tensor([sparse_where is not None, nonfinite], dtype=torch.int64)
         if collective and be.world_size > 1:
