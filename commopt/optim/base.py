@@ -116,6 +116,8 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self.global_state: dict[str, Any] = {"step": 0, "skipped_steps": 0}
         self._compressed_rounds = 0
         self._full_rounds = 0
+        self._zero_variance_masks: dict[int, torch.Tensor | None] = {}
+        self._warned_zero_variance = False
 
     # -- hooks for subclasses -----------------------------------------------------------------
     def _step(self, step: int) -> None:  # pragma: no cover - every subclass defines it
@@ -244,6 +246,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         n = self.backend.world_size
         self._buckets = build_buckets(self.param_groups, self._bucket_numel)
         self._flat, self._scalars, self._errors = [], [], []
+        self._variance_changed()
         for bucket in self._buckets:
             flat = {key: self._new_flat(bucket, key) for key in self._flat_keys}
             for key in self._lazy_flat_keys:
@@ -398,10 +401,15 @@ class CompressedOptimizer(torch.optim.Optimizer):
             self._compressed_rounds += 1
         return flat
 
-    @staticmethod
-    def _apply_mask(bucket: Bucket, flat: torch.Tensor, param_groups: list[dict[str, Any]]) -> None:
+    def _mask(self, bucket_index: int, flat: torch.Tensor) -> None:
+        """flat ← flat ⊙ exp_avg_mask ⊙ [v ≠ 0], on what a compressed exchange returned.
+
+        ``exp_avg_mask`` is the user's, as in SPEC §2. [v ≠ 0] is commopt's own guard (see
+        ``_discard_zero_variance``).
+        """
+        bucket = (self._buckets or [])[bucket_index]
         for seg in bucket.segments:
-            mask = param_groups[seg.group].get("exp_avg_mask")
+            mask = self.param_groups[seg.group].get("exp_avg_mask")
             if mask is None:
                 continue
             start = seg.start
@@ -409,6 +417,41 @@ class CompressedOptimizer(torch.optim.Optimizer):
                 view = flat[start : start + p.numel()].view(p.shape)
                 view.mul_(mask.to(device=view.device, dtype=view.dtype))
                 start += p.numel()
+        self._discard_zero_variance(bucket_index, flat)
+
+    def _discard_zero_variance(self, bucket_index: int, flat: torch.Tensor) -> None:
+        """flat ← 0 wherever the variance v is exactly 0 (an intended difference from SPEC).
+
+        An element whose v is 0 had a zero averaged gradient on every full-precision step so
+        far: an embedding row never looked up, a dead ReLU unit. The 1-bit code has no zero, so
+        the exchange hands it ±scale all the same, and its step m/(√v + ε) would be divided by
+        ε alone, ~1/ε times too large (the loss of a byte-level LM went to NaN this way). Such
+        elements are treated as masked: their momentum stays 0 and they do not move while v
+        is 0. v is identical on every rank, so replicas stay identical. The boolean mask is
+        computed once per value of v (``_variance_changed`` drops it) and not at all when no
+        element has v = 0.
+        """
+        if bucket_index not in self._zero_variance_masks:
+            v = self._flat[bucket_index]["exp_avg_sq"]
+            zero = v == 0
+            found = int(zero.sum())
+            self._zero_variance_masks[bucket_index] = zero if found else None
+            if found and not self._warned_zero_variance and self.backend.rank == 0:
+                self._warned_zero_variance = True
+                warnings.warn(
+                    f"{type(self).__name__}: {found} of {v.numel()} elements have zero variance "
+                    "(a zero averaged gradient on every full-precision step so far); they do "
+                    "not move while it is zero, as if exp_avg_mask were 0 there, because their "
+                    "step m/(sqrt(v) + eps) would be divided by eps alone",
+                    stacklevel=4,
+                )
+        zero = self._zero_variance_masks[bucket_index]
+        if zero is not None:
+            flat.masked_fill_(zero, 0.0)
+
+    def _variance_changed(self) -> None:
+        """v was updated: the zero-variance masks are recomputed when next needed."""
+        self._zero_variance_masks.clear()
 
     @staticmethod
     def _gather_params(bucket: Bucket, out: torch.Tensor) -> torch.Tensor:

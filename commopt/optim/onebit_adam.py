@@ -40,6 +40,10 @@ class OnebitAdam(CompressedOptimizer):
     Without bias correction the factors (1−β^t) are 1. At n = 1 and λ = 0 the warmup is exactly
     ``torch.optim.Adam``.
 
+    mask = ``exp_avg_mask`` ⊙ [v ≠ 0]. The second factor is commopt's guard, not in SPEC §2 or
+    DeepSpeed: the 1-bit code has no zero, so an element with v = 0 (zero gradient all warmup:
+    unused embedding rows, dead units) would otherwise get ±scale and a step divided by ε alone.
+
     Args:
         params: parameters or param groups; a group may carry ``exp_avg_mask``, a 0/1 tensor
             broadcastable to each of its parameters, applied to the momentum after each
@@ -119,7 +123,7 @@ class OnebitAdam(CompressedOptimizer):
                     v[sl].mul_(beta2).addcmul_(g[sl], g[sl], value=1 - beta2)
             if not warmup:
                 self._compress(bi, m)
-                self._apply_mask(bucket, m, self.param_groups)
+                self._mask(bi, m)
             self._apply_update(bucket, m, v, step, out=g)
 
     def _apply_update(

@@ -87,7 +87,9 @@ class OnebitLamb(CompressedOptimizer):
               f^{last}_k (1-τ),\ f^{last}_k (1+τ)\big),\qquad f^{last}_k ← f_k \\
         p_k ← p_k - η\,\bar c_k f_k\,u_k
 
-    where τ is ``factor_threshold`` and f^last starts at 1.
+    where τ is ``factor_threshold`` and f^last starts at 1. mask = ``exp_avg_mask`` ⊙ [v ≠ 0]:
+    elements whose frozen v is 0 keep m = 0 (commopt's guard against steps divided by ε alone,
+    see ``OnebitAdam``; not in SPEC §3).
 
     Args:
         params: parameters or param groups; a group may carry ``exp_avg_mask``, a 0/1 tensor
@@ -275,7 +277,7 @@ class OnebitLamb(CompressedOptimizer):
         self._compress(bi, m)  # 4. one call for the whole bucket
         m.div_(sigma)  # 5.
         del sigma
-        self._apply_mask(bucket, m, self.param_groups)
+        self._mask(bi, m)
         ratio, u = m_prev, g  # reuse both buffers below
         for seg, el, _ in _segments(bucket):
             group = self.param_groups[seg.group]

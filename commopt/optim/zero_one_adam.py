@@ -34,6 +34,10 @@ class ZeroOneAdam(CompressedOptimizer):
         p ← p - η\Big(\frac{m}{\sqrt v + ε} + λ p\Big)
 
     so v only ever sees full-precision averages and stays bit-identical on every rank.
+    mask = ``exp_avg_mask`` ⊙ [v ≠ 0]: an element whose v is still exactly 0 (zero averaged
+    gradient on every variance step so far) would get ±scale from the 1-bit code and a step
+    m/ε; it stays put instead until a variance step gives it a variance, and in phase B its
+    local gradient is discarded too (commopt's guard, not in SPEC §4 or DeepSpeed).
 
     **Phase B** (t > T_v), v frozen. On entry the error buffers are zeroed (they now compensate
     a different quantity) and p_sync = p. Every step is local, and a *sync step* is one with
@@ -185,7 +189,7 @@ class ZeroOneAdam(CompressedOptimizer):
                 self._average(g)
             else:  # at n = 1 this is g itself: nothing is dropped
                 self._compress(bi, g)
-                self._apply_mask(bucket, g, self.param_groups)
+                self._mask(bi, g)
             for seg in bucket.segments:
                 beta1, beta2 = self.param_groups[seg.group]["betas"]
                 sl = slice(seg.start, seg.stop)
@@ -194,6 +198,7 @@ class ZeroOneAdam(CompressedOptimizer):
                     v[sl].mul_(beta2).addcmul_(g[sl], g[sl], value=1 - beta2)
             self._adam_update(bucket, m, v, out=g)
         if variance:
+            self._variance_changed()
             gs = self.global_state
             gs["var_counter"] += 1
             if gs["var_counter"] == self.var_update_scaler:
@@ -212,6 +217,7 @@ class ZeroOneAdam(CompressedOptimizer):
         for bi, bucket in enumerate(self._buckets or []):
             m, v = self._flat[bi]["exp_avg"], self._flat[bi]["exp_avg_sq"]
             g = self._gather_grads(bucket, torch.empty_like(m))
+            self._discard_zero_variance(bi, g)  # v is frozen at 0 there: m/(√v+ε) = m/ε
             for seg in bucket.segments:
                 beta1 = self.param_groups[seg.group]["betas"][0]
                 m[seg.start : seg.stop].mul_(beta1).add_(g[seg.start : seg.stop], alpha=1 - beta1)
@@ -233,7 +239,7 @@ class ZeroOneAdam(CompressedOptimizer):
             torch.sqrt(v[sl], out=denom[sl]).add_(self.param_groups[seg.group]["eps"])
         acc.mul_(denom)
         self._compress(bi, acc)
-        self._apply_mask(bucket, acc, self.param_groups)
+        self._mask(bi, acc)
         for seg in bucket.segments:
             sl = slice(seg.start, seg.stop)
             lrs = self.global_state["lrs"][seg.group]

@@ -206,7 +206,9 @@ def test_closure_and_missing_gradients():
         loss.backward()
         return loss
 
-    losses = [opt.step(closure).item() for _ in range(6)]
+    losses = [opt.step(closure).item() for _ in range(2)]
+    with pytest.warns(UserWarning, match=r"OnebitAdam: 3 of \d+ elements have zero variance"):
+        losses += [opt.step(closure).item() for _ in range(4)]
     assert losses[-1] < losses[0]
     assert torch.equal(unused, torch.ones(3)), "a parameter without gradient is not moved"
     assert opt.comm_stats()["bytes_sent"] == 0 and opt.comm_stats()["compressed_rounds"] == 0
