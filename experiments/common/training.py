@@ -240,10 +240,6 @@ class Hyper:
     var_update_scaler: int = 16
     local_step_scaler: int = 32768
     local_step_clipper: int = 16
-    zero_variance_mask: bool = False
-    """commopt 1-bit variants: one param group per tensor whose ``exp_avg_mask`` is refreshed
-    to (v > 0) before every step, so coordinates that never had a gradient (dead ReLU units,
-    unseen embedding rows) are not moved by ±scale/eps (see docs/experiments.md)"""
 
 
 class Setup:
@@ -272,7 +268,6 @@ class Setup:
         self._params = [p for p in model.parameters() if p.requires_grad]
         self.comm_steps = 0
         self.steps = 0
-        self.masks: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     @property
     def bytes_sent(self) -> int:
@@ -305,10 +300,6 @@ class Setup:
                 for p in self._params:
                     p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))
                     offset += p.numel()
-            for p, mask in self.masks:
-                v = self.optimizer.state[p].get("exp_avg_sq")
-                if v is not None:
-                    mask.copy_(v > 0)
             self.optimizer.step()
         self.steps += 1
         self.comm_steps += int(self._data_rounds() > before)
@@ -369,10 +360,6 @@ def make_setup(label: str, model: nn.Module, hp: Hyper) -> Setup:
         )
         return Setup(label, ddp, opt, None, counter, average_gradients=False)
     params: Any = list(model.parameters())
-    masks = []
-    if hp.zero_variance_mask and label in ("OnebitAdam", "ZeroOneAdam", "OnebitLamb"):
-        masks = [(p, torch.ones_like(p)) for p in params]
-        params = [{"params": [p], "exp_avg_mask": mask} for p, mask in masks]
     opt: torch.optim.Optimizer
     if label == "Adam":
         opt = torch.optim.Adam(params, lr=hp.lr, betas=hp.betas, weight_decay=hp.weight_decay)
@@ -416,6 +403,4 @@ def make_setup(label: str, model: nn.Module, hp: Hyper) -> Setup:
             freeze_step=hp.warmup,
             backend=backend,
         )
-    setup = Setup(label, model, opt, backend, None, average_gradients=False)
-    setup.masks = masks
-    return setup
+    return Setup(label, model, opt, backend, None, average_gradients=False)

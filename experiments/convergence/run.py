@@ -185,9 +185,7 @@ def _summary(result: dict[str, Any], hp: Hyper, metric_name: str, machine: str) 
         f"{result['world_size']} ranks, {hp.steps} steps, warmup/freeze step {hp.warmup}, "
         f"lr {hp.lr} (Adam family), {hp.lamb_lr} (LAMB family), betas {hp.betas}, PowerSGD rank "
         f"{hp.powersgd_rank}; ZeroOneAdam var_update_scaler {hp.var_update_scaler}, "
-        f"local_step_scaler {hp.local_step_scaler}, local_step_clipper {hp.local_step_clipper}; "
-        f"zero-variance exp_avg_mask for the 1-bit optimizers: "
-        f"{'on' if hp.zero_variance_mask else 'off'}.",
+        f"local_step_scaler {hp.local_step_scaler}, local_step_clipper {hp.local_step_clipper}.",
         f"Machine: {machine}.",
         "",
         f"| variant | final val loss | final {metric_name} | best {metric_name} "
@@ -253,13 +251,6 @@ def main(argv: list[str] | None = None) -> int:
         help="β2 of every variant (default 0.99: with 0.999 the variance would still be far "
         "from settled at the freeze step of a run this short)",
     )
-    parser.add_argument(
-        "--no-zero-variance-mask",
-        dest="zero_variance_mask",
-        action="store_false",
-        help="give the 1-bit optimizers no exp_avg_mask (coordinates with v = 0 then move by "
-        "±scale/eps each compressed step)",
-    )
     parser.add_argument("--powersgd-rank", type=int, default=4)
     parser.add_argument(
         "--local-step-scaler",
@@ -306,7 +297,6 @@ def main(argv: list[str] | None = None) -> int:
             var_update_scaler=args.var_update_scaler,
             local_step_scaler=args.local_step_scaler or max(1, steps // 4),
             local_step_clipper=args.local_step_clipper,
-            zero_variance_mask=args.zero_variance_mask,
         )
         fields = {f.name for f in dataclasses.fields(TASKS[task])}
         mine = {k: v for k, v in overrides.items() if k in fields}
