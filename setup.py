@@ -1,4 +1,4 @@
-"""Build hook: ship the top-level ``cuda/*.cu`` inside the package, as ``commopt/cuda/*.cu``.
+"""Build hook: ship the top-level ``cuda/*.cu`` and ``*.cuh`` in the package, as ``commopt/cuda/``.
 
 Everything else about the build is in ``pyproject.toml``. The CUDA C sources stay in ``cuda/``
 (where nvcc and reviewers find them); a wheel gets a copy under ``commopt/cuda/``, which
@@ -14,8 +14,13 @@ from setuptools.command.build_py import build_py
 _ROOT = Path(__file__).resolve().parent
 
 
+def _cuda_files() -> list[Path]:
+    """The kernel sources and the headers they include."""
+    return sorted([*(_ROOT / "cuda").glob("*.cu"), *(_ROOT / "cuda").glob("*.cuh")])
+
+
 class _BuildPyWithCuda(build_py):
-    """``build_py`` that also copies ``cuda/*.cu`` to ``<build_lib>/commopt/cuda/``."""
+    """``build_py`` that also copies ``cuda/*.cu{,h}`` to ``<build_lib>/commopt/cuda/``."""
 
     def run(self) -> None:
         super().run()
@@ -23,7 +28,7 @@ class _BuildPyWithCuda(build_py):
             return
         target = Path(self.build_lib) / "commopt" / "cuda"
         self.mkpath(str(target))
-        for source in sorted((_ROOT / "cuda").glob("*.cu")):
+        for source in _cuda_files():
             self.copy_file(str(source), str(target / source.name))
 
     def get_outputs(self, include_bytecode: bool = True) -> list[str]:
@@ -31,7 +36,7 @@ class _BuildPyWithCuda(build_py):
         if getattr(self, "editable_mode", False):
             return outputs
         target = Path(self.build_lib) / "commopt" / "cuda"
-        return outputs + [str(target / s.name) for s in sorted((_ROOT / "cuda").glob("*.cu"))]
+        return outputs + [str(target / s.name) for s in _cuda_files()]
 
 
 setup(cmdclass={"build_py": _BuildPyWithCuda})

@@ -10,27 +10,7 @@
 // acc = (((0 + v_0) + v_1) + ...), v_i = 2s_i·b − s_i; c_s = acc / n + f.
 // Launch contract: blockDim.x == COMMOPT_THREADS; any grid size.
 
-#define COMMOPT_THREADS 256
-
-__device__ double commopt_server_block_sum(double v) {
-    __shared__ double warp_sums[COMMOPT_THREADS / 32];
-    for (int offset = 16; offset > 0; offset >>= 1) {
-        v += __shfl_down_sync(0xffffffffu, v, offset);
-    }
-    const int lane = threadIdx.x & 31;
-    const int warp = threadIdx.x >> 5;
-    if (lane == 0) {
-        warp_sums[warp] = v;
-    }
-    __syncthreads();
-    double total = 0.0;
-    if (threadIdx.x == 0) {
-        for (int w = 0; w < COMMOPT_THREADS / 32; ++w) {
-            total += warp_sums[w];
-        }
-    }
-    return total;
-}
+#include "block_sum.cuh"
 
 // recv: n rows of chunk_bytes packed bytes (row i from worker i), row-major.
 // scales: the n worker scales. f: the M-element server error, overwritten with c_s.
@@ -59,7 +39,7 @@ extern "C" __global__ void commopt_server_average(const unsigned char* __restric
         const double d = (double)c_s;
         acc_sq += d * d;
     }
-    const double total = commopt_server_block_sum(acc_sq);
+    const double total = commopt_block_sum(acc_sq);
     if (threadIdx.x == 0) {
         partial[blockIdx.x] = total;
     }

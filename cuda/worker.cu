@@ -8,28 +8,7 @@
 //
 // Launch contract: blockDim.x == COMMOPT_THREADS for the reducing kernels; any grid size.
 
-#define COMMOPT_THREADS 256
-
-// Sum of v over the block, valid in thread 0 (fixed order: warp shuffles, then warps 0..7).
-__device__ double commopt_block_sum(double v) {
-    __shared__ double warp_sums[COMMOPT_THREADS / 32];
-    for (int offset = 16; offset > 0; offset >>= 1) {
-        v += __shfl_down_sync(0xffffffffu, v, offset);
-    }
-    const int lane = threadIdx.x & 31;
-    const int warp = threadIdx.x >> 5;
-    if (lane == 0) {
-        warp_sums[warp] = v;
-    }
-    __syncthreads();
-    double total = 0.0;
-    if (threadIdx.x == 0) {
-        for (int w = 0; w < COMMOPT_THREADS / 32; ++w) {
-            total += warp_sums[w];
-        }
-    }
-    return total;
-}
+#include "block_sum.cuh"
 
 // c[i] = x[i] + e[i] for i < n_true, c[i] = e[i] for n_true <= i < n;
 // partial[blockIdx.x] = sum of c[i]^2 over the elements this block visited (fp64).

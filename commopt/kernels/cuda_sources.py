@@ -7,12 +7,17 @@ packaging test and the nvcc compile test use it on machines with no GPU).
 from __future__ import annotations
 
 import importlib.resources
+import re
 from pathlib import Path
 
-__all__ = ["CUDA_SOURCES", "cuda_source", "cuda_source_dir"]
+__all__ = ["CUDA_HEADERS", "CUDA_SOURCES", "cuda_source", "cuda_source_dir"]
 
 #: The kernel sources, one per stage of SPEC §1.
 CUDA_SOURCES = ("worker.cu", "server.cu", "unpack.cu")
+#: Device helpers more than one source needs, pulled in with ``#include "name"``.
+CUDA_HEADERS = ("block_sum.cuh",)
+
+_INCLUDE = re.compile(r'^#include "([^"]+)"[ \t]*$', re.MULTILINE)
 
 
 def cuda_source_dir() -> Path:
@@ -38,11 +43,24 @@ def cuda_source_dir() -> Path:
 
 
 def cuda_source(name: str) -> str:
-    """The text of one kernel source, e.g. ``cuda_source("worker.cu")``.
+    """The self-contained text of one kernel source, e.g. ``cuda_source("worker.cu")``.
+
+    Each ``#include "header"`` line naming one of :data:`CUDA_HEADERS` is replaced by that
+    header's text. NVRTC then needs no include path, and CuPy's compile cache, keyed by the
+    source text, sees a header change as a new source.
 
     Raises:
-        ValueError: ``name`` is not one of :data:`CUDA_SOURCES`.
+        ValueError: ``name`` is not one of :data:`CUDA_SOURCES`, or it includes a file that is
+            not one of :data:`CUDA_HEADERS`.
     """
     if name not in CUDA_SOURCES:
         raise ValueError(f"unknown CUDA source {name!r}; expected one of {CUDA_SOURCES}")
-    return (cuda_source_dir() / name).read_text()
+    folder = cuda_source_dir()
+
+    def paste(match: re.Match[str]) -> str:
+        header = match.group(1)
+        if header not in CUDA_HEADERS:
+            raise ValueError(f"{name} includes {header!r}, not one of {CUDA_HEADERS}")
+        return (folder / header).read_text()
+
+    return _INCLUDE.sub(paste, (folder / name).read_text())

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from commopt.kernels.cuda_sources import CUDA_SOURCES, cuda_source, cuda_source_dir
+from commopt.kernels.cuda_sources import CUDA_HEADERS, CUDA_SOURCES, cuda_source, cuda_source_dir
 
 REPO = Path(__file__).resolve().parents[2]
 NVCC = shutil.which("nvcc")
@@ -39,10 +39,34 @@ def test_every_source_is_known_and_found():
     assert on_disk == sorted(CUDA_SOURCES), (
         "a .cu file in cuda/ is not in CUDA_SOURCES or vice versa"
     )
+    headers = sorted(p.name for p in (REPO / "cuda").glob("*.cuh"))
+    assert headers == sorted(CUDA_HEADERS), "a .cuh file in cuda/ is not in CUDA_HEADERS"
     assert sorted(ENTRIES) == sorted(CUDA_SOURCES)
     assert cuda_source_dir() == REPO / "cuda"  # this checkout is installed editable
+
+
+def test_headers_are_pasted_in_place_of_their_include_line():
+    block_sum = (REPO / "cuda" / "block_sum.cuh").read_text()
     for name in CUDA_SOURCES:
-        assert cuda_source(name) == (REPO / "cuda" / name).read_text()
+        raw = (REPO / "cuda" / name).read_text()
+        text = cuda_source(name)
+        assert not re.search(r"^\s*#\s*include", text, re.MULTILINE), name  # no include path
+        if '#include "block_sum.cuh"' in raw:
+            assert text == raw.replace('#include "block_sum.cuh"', block_sum, 1)
+            assert text.count("__device__ double commopt_block_sum(") == 1
+        else:
+            assert text == raw
+    # both reducing sources share the one helper instead of each defining its own
+    assert '#include "block_sum.cuh"' in (REPO / "cuda" / "worker.cu").read_text()
+    assert '#include "block_sum.cuh"' in (REPO / "cuda" / "server.cu").read_text()
+
+
+def test_an_unknown_include_is_rejected(tmp_path, monkeypatch):
+    for name in CUDA_SOURCES:
+        (tmp_path / name).write_text('#include "elsewhere.h"\n')
+    monkeypatch.setattr("commopt.kernels.cuda_sources.cuda_source_dir", lambda: tmp_path)
+    with pytest.raises(ValueError, match=r"worker.cu includes 'elsewhere.h', not one of"):
+        cuda_source("worker.cu")
 
 
 def test_unknown_source_name_is_rejected():
@@ -61,13 +85,16 @@ def test_every_entry_point_is_launched_from_python():
 @pytest.mark.parametrize("name", CUDA_SOURCES)
 @pytest.mark.parametrize("arch", [None, "sm_90"])  # nvcc's default (oldest supported), Hopper
 def test_compiles_to_ptx_without_warnings(name, arch, tmp_path):
-    """nvcc --ptx -Werror all-warnings; the PTX has the entry points and no fp32 FMA.
+    """nvcc --ptx -Werror all-warnings on the text CuPy compiles (``cuda_source``); the PTX has
+    the entry points and no fp32 FMA.
 
     An fp32 FMA would mean a multiply and an add were contracted into one rounding, which breaks
     the bit-for-bit agreement with the CPU kernels (the sources use __f*_rn intrinsics to
     prevent it). fp64 FMAs in the sums of squares are fine: d·d is exact in fp64.
     """
     ptx = tmp_path / f"{name}.ptx"
+    source = tmp_path / name  # no include path: the headers must already be pasted in
+    source.write_text(cuda_source(name))
     proc = subprocess.run(
         [
             NVCC,
@@ -77,7 +104,7 @@ def test_compiles_to_ptx_without_warnings(name, arch, tmp_path):
             "all-warnings",
             "-o",
             str(ptx),
-            str(REPO / "cuda" / name),
+            str(source),
         ],
         capture_output=True,
         text=True,
@@ -120,7 +147,7 @@ def test_wheel_ships_the_cuda_sources(tmp_path):
     assert proc.returncode == 0, proc.stderr
     (wheel,) = wheels.glob("commopt-*.whl")
     with zipfile.ZipFile(wheel) as zf:
-        for name in CUDA_SOURCES:
+        for name in (*CUDA_SOURCES, *CUDA_HEADERS):
             assert zf.read(f"commopt/cuda/{name}").decode() == (REPO / "cuda" / name).read_text()
         zf.extractall(tmp_path / "site")
     # Installed from the wheel (first on sys.path), the sources are looked up inside the package.
