@@ -45,7 +45,16 @@ from torch import nn
 import commopt
 from commopt.kernels import get_kernels
 
-__all__ = ["VARIANTS", "ByteMLP", "Config", "Variant", "load_corpus", "main"]
+__all__ = [
+    "VARIANTS",
+    "ByteMLP",
+    "Config",
+    "Variant",
+    "fixed_eval_sets",
+    "load_corpus",
+    "main",
+    "train",
+]
 
 _EXCLUDED_DIRS = {"site-packages", "dist-packages", "test", "tests", "idlelib", "__pycache__"}
 
@@ -199,6 +208,20 @@ def load_corpus(max_bytes: int) -> tuple[torch.Tensor, torch.Tensor, int, int]:
         return torch.frombuffer(bytearray(b"\n".join(parts)), dtype=torch.uint8).long()
 
     return as_tensor(train), as_tensor(val), len(train), len(val)
+
+
+def fixed_eval_sets(
+    train_data: torch.Tensor, val_data: torch.Tensor, cfg: Config
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """{"train", "val"} → (bytes, ``cfg.eval_contexts`` fixed window starts), seeded by cfg."""
+    gen = torch.Generator().manual_seed(cfg.seed + 2)
+    return {
+        name: (
+            data,
+            torch.randint(0, len(data) - cfg.context - 1, (cfg.eval_contexts,), generator=gen),
+        )
+        for name, data in (("train", train_data), ("val", val_data))
+    }
 
 
 def contexts(
@@ -460,14 +483,7 @@ def main(argv: list[str] | None = None) -> int:
 
     t_start = time.perf_counter()
     train_data, val_data, n_train, n_val = load_corpus(cfg.max_corpus_bytes)
-    gen = torch.Generator().manual_seed(cfg.seed + 2)
-    eval_sets = {
-        name: (
-            data,
-            torch.randint(0, len(data) - cfg.context - 1, (cfg.eval_contexts,), generator=gen),
-        )
-        for name, data in (("train", train_data), ("val", val_data))
-    }
+    eval_sets = fixed_eval_sets(train_data, val_data, cfg)
     numel = sum(p.numel() for p in ByteMLP(cfg.context, cfg.embed, cfg.hidden).parameters())
     log(
         f"commopt demo: {n} ranks on backend {backend!r}, torch {torch.__version__}, "
