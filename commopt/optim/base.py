@@ -20,12 +20,16 @@ import contextlib
 import copy
 import hashlib
 import logging
+import os
+import sys
 import warnings
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
 
+import commopt
 from commopt.buckets import DEFAULT_BUCKET_NUMEL, Bucket, build_buckets
 from commopt.comm import Backend, CommStats, resolve_backend
 from commopt.compressed import compressed_allreduce, padded_size
@@ -73,6 +77,20 @@ def _fingerprint(p: torch.Tensor) -> int:
     """63-bit hash of a parameter's shape and dtype (identical on every rank for the same model)."""
     key = f"{tuple(p.shape)}|{p.dtype}".encode()
     return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
+
+
+_INTERNAL_DIRS = tuple(
+    str(Path(module.__file__).resolve().parent) + os.sep for module in (commopt, torch)
+)
+
+
+def _warn_at_caller(message: str) -> None:
+    """``warnings.warn`` attributed to the first frame outside commopt and torch: the line of
+    the user's code that called ``step()``, not an internal helper or torch's no_grad wrapper."""
+    frame, level = sys._getframe(1), 2
+    while frame is not None and frame.f_code.co_filename.startswith(_INTERNAL_DIRS):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, stacklevel=level)
 
 
 def _all_finite(t: torch.Tensor) -> bool:
@@ -367,7 +385,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
                     f"{self.global_state['step'] + 1}; this rank's local update is dropped (the "
                     "step communicates nothing) and the next sync reconciles the replicas"
                 )
-            warnings.warn(f"{type(self).__name__}: {what}", stacklevel=3)
+            _warn_at_caller(f"{type(self).__name__}: {what}")
             return False
         return True
 
@@ -438,12 +456,11 @@ class CompressedOptimizer(torch.optim.Optimizer):
             self._zero_variance_masks[bucket_index] = zero if found else None
             if found and not self._warned_zero_variance and self.backend.rank == 0:
                 self._warned_zero_variance = True
-                warnings.warn(
+                _warn_at_caller(
                     f"{type(self).__name__}: {found} of {v.numel()} elements have zero variance "
                     "(a zero averaged gradient on every full-precision step so far); they do "
                     "not move while it is zero, as if exp_avg_mask were 0 there, because their "
-                    "step m/(sqrt(v) + eps) would be divided by eps alone",
-                    stacklevel=4,
+                    "step m/(sqrt(v) + eps) would be divided by eps alone"
                 )
         zero = self._zero_variance_masks[bucket_index]
         if zero is not None:
