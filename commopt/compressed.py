@@ -20,7 +20,13 @@ import torch
 from commopt.comm import Backend, resolve_backend
 from commopt.kernels import get_kernels
 
-__all__ = ["NonFiniteError", "compressed_allreduce", "compression_bytes", "padded_size"]
+__all__ = [
+    "NonFiniteError",
+    "compressed_allreduce",
+    "compressed_allreduce_and_scale",
+    "compression_bytes",
+    "padded_size",
+]
 
 # L travels with the worker scale as two fp32 numbers, each below 2**24 so exactly representable.
 _LOW_BITS = 20
@@ -109,6 +115,23 @@ def compressed_allreduce(
         ValueError: error buffers of the wrong size or device, or ranks passing different L.
         TypeError: non-float tensor or non-fp32 error buffers.
     """
+    return compressed_allreduce_and_scale(tensor, worker_error, server_error, backend, out=out)[0]
+
+
+def compressed_allreduce_and_scale(
+    tensor: torch.Tensor,
+    worker_error: torch.Tensor,
+    server_error: torch.Tensor,
+    backend: Backend | None = None,
+    *,
+    out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`compressed_allreduce`, also returning this rank's worker scale s_r (a 1-element
+    fp32 tensor; ``None`` when nothing was compressed: one rank, or no elements).
+
+    ‖c‖² = N·s_r² then comes for free, which is what the optimizers' compression-error
+    diagnostic needs (``comm_stats()``).
+    """
     if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
         raise TypeError(f"compressed_allreduce needs a floating-point tensor, got {tensor!r:.80}")
     be = resolve_backend(backend)
@@ -129,7 +152,7 @@ def compressed_allreduce(
     if n == 1:
         if not bool(torch.isfinite(tensor).all()):
             raise NonFiniteError([0])
-        return out.copy_(tensor) if out is not tensor else out
+        return (out.copy_(tensor) if out is not tensor else out), None
 
     kernels = get_kernels(tensor.device)
     x = tensor.reshape(-1).float()
@@ -159,7 +182,7 @@ def compressed_allreduce(
     if not bool(finite.all()):
         raise NonFiniteError([r for r in range(n) if not finite[r]])
     if padded == 0:
-        return out
+        return out, None
     worker_scales = all_meta[:, 0].contiguous()
 
     # 4. e ← c − s·sgn(c); signs packed MSB first, chunk j for rank j.
@@ -185,7 +208,7 @@ def compressed_allreduce(
     kernels.unpack_scaled_(all_bits, server_scales, y)
     if y.data_ptr() != out.data_ptr():
         out.copy_(y.view(out.shape))
-    return out
+    return out, s
 
 
 def compression_bytes(numel: int, world_size: int) -> int:

@@ -112,7 +112,7 @@ class OnebitAdam(CompressedOptimizer):
         for bi, bucket in enumerate(self._buckets or []):
             flat = self._flat[bi]
             m, v = flat["exp_avg"], flat["exp_avg_sq"]
-            g = self._gather_grads(bucket, torch.empty_like(m))
+            g = self._gather_grads(bucket, self._scratch_buffer(bi, "grad"))
             if warmup:
                 self._average(g)
             for seg in bucket.segments:

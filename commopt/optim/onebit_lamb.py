@@ -46,10 +46,16 @@ def _norms(bucket: Bucket, flat: torch.Tensor) -> torch.Tensor:
     return _per_tensor(torch._foreach_norm, bucket.views(flat), 0.0, flat.device)
 
 
-def _expand(bucket: Bucket, per_tensor: torch.Tensor) -> torch.Tensor:
-    """A flat buffer holding per_tensor[k] at every element of tensor k."""
-    counts = torch.tensor([p.numel() for p in bucket.params], device=per_tensor.device)
-    return torch.repeat_interleave(per_tensor, counts, output_size=bucket.numel)
+def _scale_tensors(
+    bucket: Bucket, flat: torch.Tensor, per_tensor: torch.Tensor, divide: bool = False
+) -> None:
+    """x_k ← x_k·per_tensor[k] (or x_k/per_tensor[k]) for every tensor k, in place.
+
+    The same fp32 operation per element as with per_tensor expanded to the bucket's length,
+    without writing that N-element buffer first.
+    """
+    scale_ = torch._foreach_div_ if divide else torch._foreach_mul_
+    scale_(bucket.views(flat), list(per_tensor.unbind()))
 
 
 class OnebitLamb(CompressedOptimizer):
@@ -221,8 +227,8 @@ class OnebitLamb(CompressedOptimizer):
         """LAMB on the averaged gradient; the trust ratios feed the EMA c̄."""
         flat, scalars = self._flat[bi], self._scalars[bi]
         m, v = flat["exp_avg"], flat["exp_avg_sq"]
-        g = self._average(self._gather_grads(bucket, torch.empty_like(m)))
-        p = self._gather_params(bucket, torch.empty_like(m))
+        g = self._average(self._gather_grads(bucket, self._scratch_buffer(bi, "grad")))
+        p = self._gather_params(bucket, self._scratch_buffer(bi, "work"))
         u = g  # g is not needed once the moments have it
         for seg, el, _ in _segments(bucket):
             group = self.param_groups[seg.group]
@@ -267,16 +273,15 @@ class OnebitLamb(CompressedOptimizer):
         flat, scalars = self._flat[bi], self._scalars[bi]
         m, v = flat["exp_avg"], flat["exp_avg_sq"]
         v_fresh = self._flat_buffer(bi, "exp_avg_sq_fresh")
-        m_prev = m.clone()  # 1.
-        g = self._gather_grads(bucket, torch.empty_like(m))
+        m_prev = self._scratch_buffer(bi, "work").copy_(m)  # 1.
+        g = self._gather_grads(bucket, self._scratch_buffer(bi, "grad"))
         for seg, el, _ in _segments(bucket):  # 3.
             beta1 = self.param_groups[seg.group]["betas"][0]
             m[el].mul_(beta1).add_(g[el], alpha=1 - beta1)
-        sigma = _expand(bucket, scalars["scaling_coeff"])
-        m.mul_(sigma)
+        sigma = scalars["scaling_coeff"]
+        _scale_tensors(bucket, m, sigma)
         self._compress(bi, m)  # 4. one call for the whole bucket
-        m.div_(sigma)  # 5.
-        del sigma
+        _scale_tensors(bucket, m, sigma, divide=True)  # 5.
         self._mask(bi, m)
         ratio, u = m_prev, g  # reuse both buffers below
         for seg, el, _ in _segments(bucket):
@@ -314,5 +319,5 @@ class OnebitLamb(CompressedOptimizer):
         scale = torch.empty_like(coeff)
         for seg, _, k in _segments(bucket):
             torch.mul(coeff[k], -self.param_groups[seg.group]["lr"], out=scale[k])
-        u.mul_(_expand(bucket, scale))
+        _scale_tensors(bucket, u, scale)
         self._add_to_params(bucket, u)

@@ -184,7 +184,7 @@ class ZeroOneAdam(CompressedOptimizer):
         variance = self._is_variance_step(step)
         for bi, bucket in enumerate(self._buckets or []):
             m, v = self._flat[bi]["exp_avg"], self._flat[bi]["exp_avg_sq"]
-            g = self._gather_grads(bucket, torch.empty_like(m))
+            g = self._gather_grads(bucket, self._scratch_buffer(bi, "grad"))
             if variance:
                 self._average(g)
             else:  # at n = 1 this is g itself: nothing is dropped
@@ -216,7 +216,7 @@ class ZeroOneAdam(CompressedOptimizer):
             gs["local_started"] = True
         for bi, bucket in enumerate(self._buckets or []):
             m, v = self._flat[bi]["exp_avg"], self._flat[bi]["exp_avg_sq"]
-            g = self._gather_grads(bucket, torch.empty_like(m))
+            g = self._gather_grads(bucket, self._scratch_buffer(bi, "grad"))
             self._discard_zero_variance(bi, g)  # v is frozen at 0 there: m/(√v+ε) = m/ε
             for seg in bucket.segments:
                 beta1 = self.param_groups[seg.group]["betas"][0]
@@ -232,8 +232,8 @@ class ZeroOneAdam(CompressedOptimizer):
         """a = C((p − p_sync)⊙(√v+ε)) ⊙ mask; m ← −a/s; p ← p_sync + a/(√v+ε); p_sync ← p."""
         m, v = self._flat[bi]["exp_avg"], self._flat[bi]["exp_avg_sq"]
         p_sync = self._flat_buffer(bi, "p_sync")
-        acc = self._gather_params(bucket, torch.empty_like(m)).sub_(p_sync)
-        denom = torch.empty_like(v)
+        acc = self._gather_params(bucket, self._scratch_buffer(bi, "grad")).sub_(p_sync)
+        denom = self._scratch_buffer(bi, "work")
         for seg in bucket.segments:
             sl = slice(seg.start, seg.stop)
             torch.sqrt(v[sl], out=denom[sl]).add_(self.param_groups[seg.group]["eps"])

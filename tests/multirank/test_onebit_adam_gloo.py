@@ -77,13 +77,13 @@ def _lockstep(backend):
     opt._bucket_numel = 40  # several buckets, some spanning two groups
 
     calls: list[int] = []
-    real = commopt.optim.base.compressed_allreduce
+    real = commopt.optim.base.compressed_allreduce_and_scale
 
     def counting(tensor, worker_error, server_error, be=None, **kw):
         calls.append(tensor.numel())
         return real(tensor, worker_error, server_error, be, **kw)
 
-    commopt.optim.base.compressed_allreduce = counting
+    commopt.optim.base.compressed_allreduce_and_scale = counting
     per_step = []
     after_warmup = None
     masked_zero = []
@@ -106,7 +106,7 @@ def _lockstep(backend):
         if t > WARMUP:
             m = opt.state[model[0].weight]["exp_avg"]
             masked_zero.append(bool((m[mask == 0] == 0).all()))
-    commopt.optim.base.compressed_allreduce = real
+    commopt.optim.base.compressed_allreduce_and_scale = real
     bucket_numels = [b.numel for b in opt._buckets]
     state = [
         (opt.state[p]["exp_avg"].clone(), opt.state[p]["exp_avg_sq"].clone())
