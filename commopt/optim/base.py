@@ -305,16 +305,22 @@ class CompressedOptimizer(torch.optim.Optimizer):
         return buf
 
     def _scratch_buffer(self, bucket_index: int, name: str) -> torch.Tensor:
-        """A flat fp32 work buffer of the bucket's size, kept from step to step (not state).
+        """A flat fp32 work buffer of the bucket's size (contents undefined; not state).
 
-        Allocating it afresh every step costs more than the pass that fills it: a buffer of
-        tens of MB comes from the OS as new pages, zeroed on first touch (a 100 MB gradient copy
-        measured 71 ms into a fresh buffer, 22 ms into a kept one, on this project's CPU).
+        On CPU it is kept from step to step: allocated afresh, a buffer of tens of MB comes
+        from the OS as new pages, zeroed on first touch, which costs more than the pass that
+        fills it (a 100 MB gradient copy measured 71 ms into a fresh buffer, 22 ms into a kept
+        one, on this project's CPU). On other devices it is allocated per call: CUDA's caching
+        allocator makes that cheap, and gives the memory to activations between steps, where a
+        kept buffer would stay resident through forward and backward.
         """
+        bucket = (self._buckets or [])[bucket_index]
+        if bucket.device.type != "cpu":
+            return torch.empty(bucket.numel, device=bucket.device)
         key = (bucket_index, name)
         buf = self._scratch.get(key)
         if buf is None:
-            buf = self._scratch[key] = (self._buckets or [])[bucket_index].new_buffer()
+            buf = self._scratch[key] = torch.empty(bucket.numel, device=bucket.device)
         return buf
 
     def _flat_buffer(self, bucket_index: int, key: str) -> torch.Tensor:
