@@ -29,6 +29,14 @@ class Segment:
     stop: int
     params: tuple[torch.Tensor, ...]
 
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """One view of ``flat`` (the whole bucket's buffer) per parameter of this segment."""
+        out, offset = [], self.start
+        for p in self.params:
+            out.append(flat[offset : offset + p.numel()].view(p.shape))
+            offset += p.numel()
+        return out
+
 
 @dataclasses.dataclass
 class Bucket:

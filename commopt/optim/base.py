@@ -136,6 +136,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self._full_rounds = 0
         self._zero_variance: dict[int, torch.Tensor | None] = {}
         self._scratch: dict[tuple[int, str], torch.Tensor] = {}
+        self._denominators: dict[int, tuple[tuple | None, torch.Tensor]] = {}
         self._warned_zero_variance = False
 
     # -- hooks for subclasses -----------------------------------------------------------------
@@ -266,6 +267,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self._buckets = build_buckets(self.param_groups, self._bucket_numel)
         self._flat, self._scalars, self._errors = [], [], []
         self._scratch.clear()
+        self._denominators.clear()
         self._variance_changed()
         for bucket in self._buckets:
             flat = {key: self._new_flat(bucket, key) for key in self._flat_keys}
@@ -419,6 +421,22 @@ class CompressedOptimizer(torch.optim.Optimizer):
                 view.copy_(p.grad)
         return out
 
+    def _momentum_from_local_grads(self, bucket: Bucket, m: torch.Tensor) -> None:
+        """m ← β1·m + (1−β1)·g with this rank's own gradients, read where they are (no copy
+        into a flat buffer first); a missing gradient counts as 0."""
+        for seg in bucket.segments:
+            beta1 = self.param_groups[seg.group]["betas"][0]
+            views = seg.views(m)
+            torch._foreach_mul_(views, beta1)
+            pairs = [
+                (view, p.grad)
+                for view, p in zip(views, seg.params, strict=True)
+                if p.grad is not None
+            ]
+            if pairs:
+                ms, gs = zip(*pairs, strict=True)
+                torch._foreach_add_(list(ms), list(gs), alpha=1 - beta1)
+
     def _average(self, flat: torch.Tensor) -> torch.Tensor:
         """Full-precision average across ranks (warmup and variance steps)."""
         if self.backend.world_size > 1:
@@ -488,9 +506,46 @@ class CompressedOptimizer(torch.optim.Optimizer):
         if where is not None:
             flat.index_fill_(0, where, 0.0)
 
-    def _variance_changed(self) -> None:
-        """v was updated: the zero-variance indices are recomputed when next needed."""
-        self._zero_variance.clear()
+    def _variance_changed(self, bucket_index: int | None = None) -> None:
+        """v of one bucket (all when ``None``) was updated: what is derived from it (the
+        zero-variance indices, the Adam denominator) is recomputed when next needed."""
+        for bi in [bucket_index] if bucket_index is not None else list(self._denominators):
+            if bi in self._denominators:
+                self._denominators[bi] = (None, self._denominators[bi][1])
+        if bucket_index is None:
+            self._zero_variance.clear()
+        else:
+            self._zero_variance.pop(bucket_index, None)
+
+    def _denominator(self, bucket_index: int, bias_sqrt: list[float]) -> torch.Tensor:
+        """d = √v / b + ε, elementwise over the bucket: the Adam denominator (read-only).
+
+        b = ``bias_sqrt[i]`` and ε the group's eps for the i-th segment. On CPU d is kept until
+        v changes (``_variance_changed``) or b or ε do: in the compression stages v is frozen,
+        and rebuilding d from it would be three passes over the model every step. On other
+        devices it is computed per call into a fresh buffer (memory over passes, as in
+        ``_scratch_buffer``).
+        """
+        bucket = (self._buckets or [])[bucket_index]
+        key = tuple(
+            (b, self.param_groups[seg.group]["eps"])
+            for seg, b in zip(bucket.segments, bias_sqrt, strict=True)
+        )
+        kept_key, d = self._denominators.get(bucket_index, (None, None))
+        if kept_key == key:
+            return d
+        v = self._flat[bucket_index]["exp_avg_sq"]
+        if d is None or bucket.device.type != "cpu":
+            d = torch.empty_like(v)
+        for seg, (b, eps) in zip(bucket.segments, key, strict=True):
+            sl = slice(seg.start, seg.stop)
+            torch.sqrt(v[sl], out=d[sl])
+            if b != 1.0:  # x / 1 == x exactly: skipping it changes no bit
+                d[sl].div_(b)
+            d[sl].add_(eps)
+        if bucket.device.type == "cpu":
+            self._denominators[bucket_index] = (key, d)
+        return d
 
     @staticmethod
     def _gather_params(bucket: Bucket, out: torch.Tensor) -> torch.Tensor:

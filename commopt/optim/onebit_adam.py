@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from commopt.buckets import Bucket
 from commopt.comm import Backend
 from commopt.optim.base import (
     CompressedOptimizer,
@@ -112,39 +113,40 @@ class OnebitAdam(CompressedOptimizer):
         for bi, bucket in enumerate(self._buckets or []):
             flat = self._flat[bi]
             m, v = flat["exp_avg"], flat["exp_avg_sq"]
-            g = self._gather_grads(bucket, self._scratch_buffer(bi, "grad"))
             if warmup:
-                self._average(g)
-            for seg in bucket.segments:
-                beta1, beta2 = self.param_groups[seg.group]["betas"]
-                sl = slice(seg.start, seg.stop)
-                m[sl].mul_(beta1).add_(g[sl], alpha=1 - beta1)
-                if warmup:
+                g = self._average(self._gather_grads(bucket, self._scratch_buffer(bi, "grad")))
+                for seg in bucket.segments:
+                    beta1, beta2 = self.param_groups[seg.group]["betas"]
+                    sl = slice(seg.start, seg.stop)
+                    m[sl].mul_(beta1).add_(g[sl], alpha=1 - beta1)
                     v[sl].mul_(beta2).addcmul_(g[sl], g[sl], value=1 - beta2)
-            if not warmup:
+                self._variance_changed(bi)
+            else:
+                self._momentum_from_local_grads(bucket, m)
                 self._compress(bi, m)
                 self._mask(bi, m)
-            self._apply_update(bucket, m, v, step, out=g)
+            self._apply_update(bi, bucket, m, step)
 
-    def _apply_update(
-        self, bucket: Any, m: torch.Tensor, v: torch.Tensor, step: int, out: torch.Tensor
-    ) -> None:
-        """p ← p − η·(m̂/(√v̂ + ε) + λ·p), segment by segment (each group its own η, λ, β)."""
+    def _apply_update(self, bi: int, bucket: Bucket, m: torch.Tensor, step: int) -> None:
+        """p ← p − η·(m̂/(√v̂ + ε) + λ·p), segment by segment (each group its own η, λ, β).
+
+        As ``torch.optim.Adam``: d = √v/√(1−β2ᵗ) + ε, then p ← p − (η/(1−β1ᵗ))·m/d in one
+        ``addcdiv``. After the freeze d is frozen too and computed once (``_denominator``).
+        """
         variance_step = min(step, self.freeze_step)
+        bias_sqrt, step_sizes = [], []
         for seg in bucket.segments:
             group = self.param_groups[seg.group]
             beta1, beta2 = group["betas"]
-            lr, wd = group["lr"], group["weight_decay"]
             if group["bias_correction"]:
-                bc1 = 1 - beta1**step
-                bc2_sqrt = math.sqrt(1 - beta2**variance_step)
+                bias_sqrt.append(math.sqrt(1 - beta2**variance_step))
+                step_sizes.append(group["lr"] / (1 - beta1**step))
             else:
-                bc1, bc2_sqrt = 1.0, 1.0
-            sl = slice(seg.start, seg.stop)
-            # Same operation order as torch.optim.Adam, so warmup at n = 1 matches it.
-            denom = torch.sqrt(v[sl], out=out[sl]).div_(bc2_sqrt).add_(group["eps"])
-            torch.div(m[sl], denom, out=denom).mul_(-lr / bc1)  # denom now holds the update
-            if wd != 0:
-                for p in seg.params:
-                    p.mul_(1 - lr * wd)
-        self._add_to_params(bucket, out)
+                bias_sqrt.append(1.0)
+                step_sizes.append(group["lr"])
+        d = self._denominator(bi, bias_sqrt)
+        for seg, step_size in zip(bucket.segments, step_sizes, strict=True):
+            group = self.param_groups[seg.group]
+            if group["weight_decay"] != 0:
+                torch._foreach_mul_(list(seg.params), 1 - group["lr"] * group["weight_decay"])
+            torch._foreach_addcdiv_(list(seg.params), seg.views(m), seg.views(d), value=-step_size)

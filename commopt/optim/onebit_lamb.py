@@ -239,6 +239,7 @@ class OnebitLamb(CompressedOptimizer):
             torch.div(m[el], u[el], out=u[el])
             if group["weight_decay"] != 0:
                 u[el].add_(p[el], alpha=group["weight_decay"])
+        self._variance_changed(bi)
         p_norm, u_norm = _norms(bucket, p), _norms(bucket, u)
         ratio = p_norm / torch.where(u_norm > 0, u_norm, 1.0)
         coeff, coeff_freeze = scalars["lamb_coeff"], scalars["lamb_coeff_freeze"]
@@ -271,7 +272,7 @@ class OnebitLamb(CompressedOptimizer):
     def _compressed_step(self, bi: int, bucket: Bucket) -> None:
         """SPEC §3 steps 1–10: fused compressed momentum, fresh variance, bounded factor."""
         flat, scalars = self._flat[bi], self._scalars[bi]
-        m, v = flat["exp_avg"], flat["exp_avg_sq"]
+        m = flat["exp_avg"]
         v_fresh = self._flat_buffer(bi, "exp_avg_sq_fresh")
         m_prev = self._scratch_buffer(bi, "work").copy_(m)  # 1.
         g = self._gather_grads(bucket, self._scratch_buffer(bi, "grad"))
@@ -284,12 +285,13 @@ class OnebitLamb(CompressedOptimizer):
         _scale_tensors(bucket, m, sigma, divide=True)  # 5.
         self._mask(bi, m)
         ratio, u = m_prev, g  # reuse both buffers below
+        d_all = self._denominator(bi, [1.0] * len(bucket.segments))  # √v + ε, v frozen
         for seg, el, _ in _segments(bucket):
             group = self.param_groups[seg.group]
             beta1, beta2 = group["betas"]
             g_hat = torch.sub(m[el], m_prev[el], alpha=beta1, out=u[el]).div_(1 - beta1)  # 6.
             v_fresh[el].mul_(beta2).addcmul_(g_hat, g_hat, value=1 - beta2)
-            d = torch.sqrt(v[el], out=u[el]).add_(group["eps"])  # 7.
+            d = d_all[el]  # 7.
             d_fresh = torch.sqrt(v_fresh[el], out=ratio[el]).add_(group["eps"])
             torch.div(d, d_fresh, out=ratio[el])
             torch.div(m[el], d, out=u[el])  # 8. u₀

@@ -196,9 +196,10 @@ class ZeroOneAdam(CompressedOptimizer):
                 m[sl].mul_(beta1).add_(g[sl], alpha=1 - beta1)
                 if variance:
                     v[sl].mul_(beta2).addcmul_(g[sl], g[sl], value=1 - beta2)
-            self._adam_update(bucket, m, v, out=g)
+            if variance:
+                self._variance_changed(bi)
+            self._adam_update(bi, bucket, m)
         if variance:
-            self._variance_changed()
             gs = self.global_state
             gs["var_counter"] += 1
             if gs["var_counter"] == self.var_update_scaler:
@@ -215,13 +216,12 @@ class ZeroOneAdam(CompressedOptimizer):
             gs["lrs"] = [0.0] * len(self.param_groups)
             gs["local_started"] = True
         for bi, bucket in enumerate(self._buckets or []):
-            m, v = self._flat[bi]["exp_avg"], self._flat[bi]["exp_avg_sq"]
-            g = self._gather_grads(bucket, self._scratch_buffer(bi, "grad"))
-            self._discard_zero_variance(bi, g)  # v is frozen at 0 there: m/(√v+ε) = m/ε
-            for seg in bucket.segments:
-                beta1 = self.param_groups[seg.group]["betas"][0]
-                m[seg.start : seg.stop].mul_(beta1).add_(g[seg.start : seg.stop], alpha=1 - beta1)
-            self._adam_update(bucket, m, v, out=g)
+            m = self._flat[bi]["exp_avg"]
+            self._momentum_from_local_grads(bucket, m)
+            # v is frozen at 0 there, so m/(√v+ε) would be m/ε; m was 0 there (masked at every
+            # sync), so zeroing it now is the same as discarding the local gradient
+            self._discard_zero_variance(bi, m)
+            self._adam_update(bi, bucket, m)
         self._advance_local()  # s now includes this step's η
         if sync:
             for bi, bucket in enumerate(self._buckets or []):
@@ -230,13 +230,10 @@ class ZeroOneAdam(CompressedOptimizer):
 
     def _sync(self, bi: int, bucket: Bucket) -> None:
         """a = C((p − p_sync)⊙(√v+ε)) ⊙ mask; m ← −a/s; p ← p_sync + a/(√v+ε); p_sync ← p."""
-        m, v = self._flat[bi]["exp_avg"], self._flat[bi]["exp_avg_sq"]
+        m = self._flat[bi]["exp_avg"]
         p_sync = self._flat_buffer(bi, "p_sync")
         acc = self._gather_params(bucket, self._scratch_buffer(bi, "grad")).sub_(p_sync)
-        denom = self._scratch_buffer(bi, "work")
-        for seg in bucket.segments:
-            sl = slice(seg.start, seg.stop)
-            torch.sqrt(v[sl], out=denom[sl]).add_(self.param_groups[seg.group]["eps"])
+        denom = self._denominator(bi, [1.0] * len(bucket.segments))  # √v + ε, read-only
         acc.mul_(denom)
         self._compress(bi, acc)
         self._mask(bi, acc)
@@ -251,17 +248,13 @@ class ZeroOneAdam(CompressedOptimizer):
         self._set_params(bucket, acc)
         self._gather_params(bucket, p_sync)  # p as stored (bf16 parameters round)
 
-    def _adam_update(
-        self, bucket: Bucket, m: torch.Tensor, v: torch.Tensor, out: torch.Tensor
-    ) -> None:
-        """p ← p − η·(m/(√v + ε) + λ·p), segment by segment."""
+    def _adam_update(self, bi: int, bucket: Bucket, m: torch.Tensor) -> None:
+        """p ← p − η·(m/(√v + ε) + λ·p), segment by segment, one ``addcdiv`` per group; √v + ε
+        is recomputed only when v changed (``_denominator``)."""
+        d = self._denominator(bi, [1.0] * len(bucket.segments))
         for seg in bucket.segments:
             group = self.param_groups[seg.group]
             lr, wd = group["lr"], group["weight_decay"]
-            sl = slice(seg.start, seg.stop)
-            denom = torch.sqrt(v[sl], out=out[sl]).add_(group["eps"])
-            torch.div(m[sl], denom, out=denom).mul_(-lr)
             if wd != 0:
-                for p in seg.params:
-                    p.mul_(1 - lr * wd)
-        self._add_to_params(bucket, out)
+                torch._foreach_mul_(list(seg.params), 1 - lr * wd)
+            torch._foreach_addcdiv_(list(seg.params), seg.views(m), seg.views(d), value=-lr)
