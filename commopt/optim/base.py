@@ -422,20 +422,23 @@ class CompressedOptimizer(torch.optim.Optimizer):
         return out
 
     def _momentum_from_local_grads(self, bucket: Bucket, m: torch.Tensor) -> None:
-        """m ← β1·m + (1−β1)·g with this rank's own gradients, read where they are (no copy
-        into a flat buffer first); a missing gradient counts as 0."""
+        """m ← β1·m + (1−β1)·g (as ``lerp``, like torch.optim.Adam) with this rank's own
+        gradients, read where they are (no copy into a flat buffer first); a missing gradient
+        counts as 0."""
         for seg in bucket.segments:
             beta1 = self.param_groups[seg.group]["betas"][0]
-            views = seg.views(m)
-            torch._foreach_mul_(views, beta1)
-            pairs = [
-                (view, p.grad)
-                for view, p in zip(views, seg.params, strict=True)
-                if p.grad is not None
-            ]
-            if pairs:
-                ms, gs = zip(*pairs, strict=True)
-                torch._foreach_add_(list(ms), list(gs), alpha=1 - beta1)
+            with_grad, without = [], []
+            for view, p in zip(seg.views(m), seg.params, strict=True):
+                g = p.grad
+                if g is None:
+                    without.append((view, g))
+                else:  # lerp wants one dtype: bf16/fp16 gradients are widened (exactly)
+                    with_grad.append((view, g if g.dtype == view.dtype else g.to(view.dtype)))
+            if with_grad:
+                views, grads = zip(*with_grad, strict=True)
+                torch._foreach_lerp_(list(views), list(grads), 1 - beta1)
+            if without:
+                torch._foreach_mul_([view for view, _ in without], beta1)
 
     def _average(self, flat: torch.Tensor) -> torch.Tensor:
         """Full-precision average across ranks (warmup and variance steps)."""

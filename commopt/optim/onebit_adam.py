@@ -118,7 +118,7 @@ class OnebitAdam(CompressedOptimizer):
                 for seg in bucket.segments:
                     beta1, beta2 = self.param_groups[seg.group]["betas"]
                     sl = slice(seg.start, seg.stop)
-                    m[sl].mul_(beta1).add_(g[sl], alpha=1 - beta1)
+                    m[sl].lerp_(g[sl], 1 - beta1)
                     v[sl].mul_(beta2).addcmul_(g[sl], g[sl], value=1 - beta2)
                 self._variance_changed(bi)
             else:

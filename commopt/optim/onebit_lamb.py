@@ -233,7 +233,7 @@ class OnebitLamb(CompressedOptimizer):
         for seg, el, _ in _segments(bucket):
             group = self.param_groups[seg.group]
             beta1, beta2 = group["betas"]
-            m[el].mul_(beta1).add_(g[el], alpha=1 - beta1)
+            m[el].lerp_(g[el], 1 - beta1)
             v[el].mul_(beta2).addcmul_(g[el], g[el], value=1 - beta2)
             torch.sqrt(v[el], out=u[el]).add_(group["eps"])
             torch.div(m[el], u[el], out=u[el])
@@ -278,7 +278,7 @@ class OnebitLamb(CompressedOptimizer):
         g = self._gather_grads(bucket, self._scratch_buffer(bi, "grad"))
         for seg, el, _ in _segments(bucket):  # 3.
             beta1 = self.param_groups[seg.group]["betas"][0]
-            m[el].mul_(beta1).add_(g[el], alpha=1 - beta1)
+            m[el].lerp_(g[el], 1 - beta1)
         sigma = scalars["scaling_coeff"]
         _scale_tensors(bucket, m, sigma)
         self._compress(bi, m)  # 4. one call for the whole bucket
