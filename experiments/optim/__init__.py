@@ -1,0 +1,1 @@
+"""Optimizer step-time benchmark (see bench_step.py)."""
