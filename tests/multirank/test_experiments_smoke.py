@@ -19,6 +19,7 @@ pytest.importorskip("tqdm", reason="the experiments extra (tqdm) is not installe
 
 from experiments.convergence import run as convergence
 from experiments.convergence.tasks import load_task
+from experiments.optim import bench_step
 from experiments.tcp import bench as tcp
 
 N = 2
@@ -143,3 +144,17 @@ def test_tcp_bench_smoke(tmp_path: pathlib.Path) -> None:
     # Phase B with a local interval of 2: a sync every other step, nothing in between.
     assert v["ZeroOneAdam"]["bytes_per_step"] < v["OnebitAdam"]["bytes_per_step"]
     assert all(e["mean_ms"] > 0 for e in v.values())
+
+
+@pytest.mark.timeout(240)
+def test_optimizer_step_bench_smoke(tmp_path: pathlib.Path, capsys) -> None:
+    js = tmp_path / "step.json"
+    argv = ["--world-size", str(N), "--width", "64", "--io", "16", "--steps", "2"]
+    assert bench_step.main([*argv, "--rounds", "1", "--json", str(js)]) == 0
+    table = capsys.readouterr().out
+    for label in bench_step.VARIANTS:
+        assert f"| {label} |" in table
+    res = json.loads(js.read_text())
+    assert res["numel"] == 64 * 16 + 64 + 64 * 64 + 64 + 16 * 64 + 16
+    for r in res["results"].values():
+        assert r["wall_ms"] > 0 and len(r["cpu_ms_per_rank"]) == N
