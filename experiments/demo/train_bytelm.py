@@ -116,7 +116,7 @@ class Variant:
 #   ZeroOneAdam diverged in phase A, around step 60, and still does (step ≈ 83) now that commopt
 #   leaves elements with v = 0 alone: rows of bytes seen once or twice on a variance step have
 #   v ~ 1e-15, and the 1-bit gradient of the other steps, ±scale on every element, moves them by
-#   ~1e4·lr per step. With β2 = 1 − 3/T_v it trains: val loss 2.143 against Adam's 2.111
+#   ~1e4·lr per step. With β2 = 1 − 3/T_v it trains: val loss 2.134 against Adam's 2.111
 #   (Adam and OnebitAdam with β2 = 0.999) at 6.9× less traffic, on a quiet machine.
 #   Before commopt's zero-variance guard it diverged even with β2 = 0.99: ~4900 embedding
 #   elements (bytes absent from every variance-step batch) kept v = 0 exactly.

@@ -288,11 +288,13 @@ def test_two_ranks_exact_resume_in_every_phase():
 # LAMB. So β2 = 0.98 (v settled after 150 steps) and 750 steps (150 = 20 % of them); both LAMB
 # runs use the same betas.
 # Measured with these settings (and not tuned further): LAMB 0.01411, 1-bit LAMB 0.01548, i.e.
-# 9.8 % above, NOT within the 2 % the issue asks for. LAMB's per-layer trust ratios still do
-# not settle here: at step 750 they are 0.2–0.65 of their values at step 150 (per-step values,
-# not the EMA), and 1-bit LAMB follows such drift only through its clamped `factor`; at n = 1,
-# where the allreduce is the identity, the gap is already +5.5 %. The test asserts the honest
-# bound below (15 %). Where the trust ratios do settle, on the demo's byte LM, 1-bit LAMB is
+# 9.8 % above, NOT within the 2 % the issue asks for; at n = 1, where the allreduce is the
+# identity, +5.5 %. After the momentum update became a `lerp` (the same formula, other last-bit
+# rounding): 0.01491, +5.7 %, and +10.3 % at n = 1. A swing of ±4 points from rounding alone:
+# the gap on this problem is not a stable figure, only its size (5–10 %) is. LAMB's per-layer
+# trust ratios do not settle here: at step 750 they are 0.2–0.65 of their values at step 150
+# (per-step values, not the EMA), and 1-bit LAMB follows such drift only through its clamped
+# `factor`. The test asserts the honest bound below (15 %). Where the trust ratios do settle, on the demo's byte LM, 1-bit LAMB is
 # within 2 % of LAMB (test_demo_lamb_gloo.py); docs/algorithms/onebit_lamb.md has all three.
 LAMB_BOUND = 1.15
 LAMB_STEPS, LAMB_DIM, LAMB_HIDDEN = 750, 8, 32
