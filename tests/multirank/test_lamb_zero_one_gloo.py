@@ -294,8 +294,9 @@ def test_two_ranks_exact_resume_in_every_phase():
 # the gap on this problem is not a stable figure, only its size (5–10 %) is. LAMB's per-layer
 # trust ratios do not settle here: at step 750 they are 0.2–0.65 of their values at step 150
 # (per-step values, not the EMA), and 1-bit LAMB follows such drift only through its clamped
-# `factor`. The test asserts the honest bound below (15 %). Where the trust ratios do settle, on the demo's byte LM, 1-bit LAMB is
-# within 2 % of LAMB (test_demo_lamb_gloo.py); docs/algorithms/onebit_lamb.md has all three.
+# `factor`. The test asserts the honest bound below (15 %). Where the trust ratios do settle,
+# on the demo's byte LM, 1-bit LAMB is within 2 % of LAMB (test_demo_lamb_gloo.py);
+# docs/algorithms/onebit_lamb.md has all three problems.
 LAMB_BOUND = 1.15
 LAMB_STEPS, LAMB_DIM, LAMB_HIDDEN = 750, 8, 32
 LAMB_LR, LAMB_BETAS = 0.02, (0.9, 0.98)
