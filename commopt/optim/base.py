@@ -427,18 +427,17 @@ class CompressedOptimizer(torch.optim.Optimizer):
         counts as 0."""
         for seg in bucket.segments:
             beta1 = self.param_groups[seg.group]["betas"][0]
-            with_grad, without = [], []
+            views, grads, without = [], [], []
             for view, p in zip(seg.views(m), seg.params, strict=True):
-                g = p.grad
-                if g is None:
-                    without.append((view, g))
+                if p.grad is None:
+                    without.append(view)
                 else:  # lerp wants one dtype: bf16/fp16 gradients are widened (exactly)
-                    with_grad.append((view, g if g.dtype == view.dtype else g.to(view.dtype)))
-            if with_grad:
-                views, grads = zip(*with_grad, strict=True)
-                torch._foreach_lerp_(list(views), list(grads), 1 - beta1)
+                    views.append(view)
+                    grads.append(p.grad.to(view.dtype))
+            if views:
+                torch._foreach_lerp_(views, grads, 1 - beta1)
             if without:
-                torch._foreach_mul_([view for view, _ in without], beta1)
+                torch._foreach_mul_(without, beta1)
 
     def _average(self, flat: torch.Tensor) -> torch.Tensor:
         """Full-precision average across ranks (warmup and variance steps)."""
