@@ -136,7 +136,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self._full_rounds = 0
         self._zero_variance: dict[int, torch.Tensor | None] = {}
         self._scratch: dict[tuple[int, str], torch.Tensor] = {}
-        self._denominators: dict[int, tuple[tuple | None, torch.Tensor]] = {}
+        self._denominator_keys: dict[int, tuple] = {}  # what the kept denominator was built from
         self._warned_zero_variance = False
 
     # -- hooks for subclasses -----------------------------------------------------------------
@@ -267,7 +267,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self._buckets = build_buckets(self.param_groups, self._bucket_numel)
         self._flat, self._scalars, self._errors = [], [], []
         self._scratch.clear()
-        self._denominators.clear()
+        self._denominator_keys.clear()
         self._variance_changed()
         for bucket in self._buckets:
             flat = {key: self._new_flat(bucket, key) for key in self._flat_keys}
@@ -511,42 +511,39 @@ class CompressedOptimizer(torch.optim.Optimizer):
     def _variance_changed(self, bucket_index: int | None = None) -> None:
         """v of one bucket (all when ``None``) was updated: what is derived from it (the
         zero-variance indices, the Adam denominator) is recomputed when next needed."""
-        for bi in [bucket_index] if bucket_index is not None else list(self._denominators):
-            if bi in self._denominators:
-                self._denominators[bi] = (None, self._denominators[bi][1])
         if bucket_index is None:
             self._zero_variance.clear()
+            self._denominator_keys.clear()
         else:
             self._zero_variance.pop(bucket_index, None)
+            self._denominator_keys.pop(bucket_index, None)
 
     def _denominator(self, bucket_index: int, bias_sqrt: list[float]) -> torch.Tensor:
         """d = √v / b + ε, elementwise over the bucket: the Adam denominator (read-only).
 
-        b = ``bias_sqrt[i]`` and ε the group's eps for the i-th segment. On CPU d is kept until
-        v changes (``_variance_changed``) or b or ε do: in the compression stages v is frozen,
-        and rebuilding d from it would be three passes over the model every step. On other
-        devices it is computed per call into a fresh buffer (memory over passes, as in
-        ``_scratch_buffer``).
+        b = ``bias_sqrt[i]`` and ε the group's eps for the i-th segment. d lives in a
+        ``_scratch_buffer``: kept on CPU, where it is rebuilt only when v changes
+        (``_variance_changed``) or b or ε do (in the compression stages v is frozen, and
+        rebuilding d would be three passes over the model every step); computed per call into a
+        fresh buffer on other devices.
         """
         bucket = (self._buckets or [])[bucket_index]
         key = tuple(
             (b, self.param_groups[seg.group]["eps"])
             for seg, b in zip(bucket.segments, bias_sqrt, strict=True)
         )
-        kept_key, d = self._denominators.get(bucket_index, (None, None))
-        if kept_key == key:
+        d = self._scratch_buffer(bucket_index, "denominator")
+        if self._denominator_keys.get(bucket_index) == key:
             return d
         v = self._flat[bucket_index]["exp_avg_sq"]
-        if d is None or bucket.device.type != "cpu":
-            d = torch.empty_like(v)
         for seg, (b, eps) in zip(bucket.segments, key, strict=True):
             sl = slice(seg.start, seg.stop)
             torch.sqrt(v[sl], out=d[sl])
             if b != 1.0:  # x / 1 == x exactly: skipping it changes no bit
                 d[sl].div_(b)
             d[sl].add_(eps)
-        if bucket.device.type == "cpu":
-            self._denominators[bucket_index] = (key, d)
+        if bucket.device.type == "cpu":  # elsewhere the buffer is not kept
+            self._denominator_keys[bucket_index] = key
         return d
 
     @staticmethod
