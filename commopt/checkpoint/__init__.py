@@ -78,6 +78,8 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+CheckpointError.__module__ = __name__  # its public home, as tracebacks and docs name it
+
 
 def _backend_of(optimizer: torch.optim.Optimizer, backend: Backend | None) -> Backend:
     if backend is not None:
