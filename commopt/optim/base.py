@@ -354,13 +354,18 @@ class CompressedOptimizer(ConfigAttributes, torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         params = [p for g in self.param_groups for p in g["params"]]
-        if self._agreed_count is None:
-            check_same_model(self.backend, params, self._describe)
-            self._agreed_count = len(params)
-        states = self.flat_states
-        step = self._step_now = self.global_state["step"] + 1
         try:
-            return self._agree_and_step(step, params, states, loss)
+            if self._early is not None:  # overlap: the thread's collectives come first
+                self._early.drain()
+            if self._agreed_count is None:
+                check_same_model(self.backend, params, self._describe)
+                self._agreed_count = len(params)
+            states = self.flat_states
+            step = self._step_now = self.global_state["step"] + 1
+            loss = self._agree_and_step(step, params, states, loss)
+            if self._early is not None:
+                self._early.fix_order()
+            return loss
         finally:
             if self._early is not None:  # taken or skipped: nothing staged survives the step
                 self._early.clear()
@@ -444,6 +449,8 @@ class CompressedOptimizer(ConfigAttributes, torch.optim.Optimizer):
         Gaussian-like values, lower when magnitudes are uniform; a steady rise means the error
         feedback is no longer keeping up. ``None`` before the first compressed call.
         """
+        if self._early is not None:  # overlap: count what the thread can finish now
+            self._early.settle()
         stats = self.backend.stats
         error = None
         if self._last_compression is not None:
@@ -494,6 +501,8 @@ class CompressedOptimizer(ConfigAttributes, torch.optim.Optimizer):
                 which would move the run into another phase; pass ``allow_config_change=True``
                 to resume under this optimizer's config on purpose.
         """
+        if self._early is not None:  # nothing may be in flight on the buffers replaced here
+            self._early.drain()
         state_dict = dict(state_dict)
         comm = state_dict.pop("commopt", None)
         if comm is not None and "config" in comm:
