@@ -215,6 +215,7 @@ class CommThread:
                         with self._cond:
                             if self._error is None:
                                 self._error = err
+            job = error = None  # hold nothing of the optimizer's while idle
             with self._cond:
                 del self._jobs[self._next]
                 self._next += 1

@@ -59,9 +59,18 @@ class GradientHooks:
         self.attach(params)
 
     def attach(self, params: Sequence[torch.Tensor]) -> None:
+        # The parameters outlive an optimizer often enough (a new optimizer per phase): the hook
+        # holds it weakly, so a dropped optimizer is collected and its thread stopped.
+        ref = weakref.WeakMethod(self._ready)
+
+        def ready(p: torch.Tensor) -> None:
+            method = ref()
+            if method is not None:
+                method(p)
+
         for p in params:
             if p.requires_grad:
-                self._handles.append(p.register_post_accumulate_grad_hook(self._ready))
+                self._handles.append(p.register_post_accumulate_grad_hook(ready))
 
     @torch.no_grad()
     def _ready(self, p: torch.Tensor) -> None:
