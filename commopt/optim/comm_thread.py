@@ -39,6 +39,7 @@ has drained it.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -87,6 +88,8 @@ class CommThread:
         self._thread: threading.Thread | None = None
         self._streams: dict[torch.device, Any] = {}  # device → side stream (CUDA only)
         self._done_events: list[Any] = []  # CUDA events wait_all makes the current stream wait
+        #: seconds the thread has spent running jobs (for profiles: compare with the step time)
+        self.busy_seconds = 0.0
 
     # -- the main thread's side -----------------------------------------------------------------
     def reserve(self, count: int) -> int:
@@ -207,6 +210,7 @@ class CommThread:
                     if job.cancel is not None:
                         job.cancel(error)
                 else:
+                    start = time.perf_counter()
                     try:
                         self._execute(job)
                     except BaseException as err:  # surfaced by wait()/wait_all() on the main thread
@@ -215,6 +219,7 @@ class CommThread:
                         with self._cond:
                             if self._error is None:
                                 self._error = err
+                    self.busy_seconds += time.perf_counter() - start
             job = error = None  # hold nothing of the optimizer's while idle
             with self._cond:
                 del self._jobs[self._next]
