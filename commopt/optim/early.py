@@ -28,6 +28,15 @@ on the optimizer's layout makes the result bit-identical to the standalone optim
 DDP groups the parameters, and keeps the error buffers where they always were (the
 optimizer's ``state_dict()``).
 
+With ``overlap=True`` (:mod:`commopt.optim.overlap`) the same staged work starts from
+per-parameter gradient hooks instead of DDP, and the averages and exchanges run on the
+optimizer's communication thread (:mod:`commopt.optim.comm_thread`) in a fixed exchange order:
+each backward pass is a *round* of tickets, one per bucket at its position in that order, and
+a second synced pass before ``step()`` opens a new round (the bucket's earlier job is waited
+for before its staged buffers are written again). ``step()`` drains the thread first
+(:meth:`EarlyWork.drain`). The thread adds no buffers: only one exchange runs at a time, with
+the synchronous exchange's temporaries.
+
 Memory, per optimizer bucket of L elements, allocated at first use and kept: a staged gradient
 (L fp32) in steps with :data:`AVERAGE` work; a staged momentum (L fp32) and staged error buffers
 (N + N/n fp32 for the flat exchange, N = L padded) in steps with :data:`MOMENTUM` work. So about
