@@ -180,10 +180,6 @@ class EarlyWork:
             self._close_round()
         if st.ticket is not None:
             self._thread.wait(st.ticket)
-        for kept in (st.arrived, st.averaged, st.folded):
-            kept.clear()
-        st.future = None
-        st.exchanged = st.failed = False
         st.reset(self._round)
 
     def _submit(
