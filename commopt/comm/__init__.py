@@ -6,7 +6,7 @@ import os
 
 import torch.distributed as dist
 
-from commopt.comm.asynchronous import all_reduce_async
+from commopt.comm.asynchronous import all_gather_async, all_reduce_async, all_to_all_async
 from commopt.comm.base import OPERATIONS, Backend, CommStats, SingleProcessBackend, model_bytes
 from commopt.comm.env import launched_by_mpi
 from commopt.comm.mixed import MixedBackend, available_backends
@@ -21,7 +21,9 @@ __all__ = [
     "MpiBackend",
     "SingleProcessBackend",
     "TorchBackend",
+    "all_gather_async",
     "all_reduce_async",
+    "all_to_all_async",
     "available_backends",
     "get_default_backend",
     "model_bytes",

@@ -13,10 +13,23 @@ backend, although twice that crosses the wire); data movement (gather, all-to-al
 is bitwise and works for every dtype (half types travel as 16-bit integers, ``bool`` as
 bytes). ``bool`` reductions follow torch.distributed: ``"sum"`` and ``"max"`` are a logical OR,
 ``"min"`` a logical AND.
+
+Non-blocking collectives (``all_reduce_async``, ``all_gather_async``, ``all_to_all_async``; see
+:mod:`commopt.comm.asynchronous`) post ``Iallreduce``/``Iallgather``/``Ialltoall`` and return a
+``torch.futures.Future``. A future must complete without anyone polling MPI for it (a DDP hook's
+future is waited on by DDP's C++ code), and Open MPI advances a non-blocking collective only
+inside MPI calls, so one daemon thread per backend waits on the requests in the order they were
+posted (``Request.Wait``, which mpi4py runs without the GIL) and completes the futures. That needs
+``MPI_THREAD_MULTIPLE`` (mpi4py asks for it by default); with a lower thread level, for staged
+CUDA buffers and for half-precision reductions the ``*_async`` methods run the blocking
+collective and return a completed future: the same result, without overlap.
 """
 
 from __future__ import annotations
 
+import queue
+import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -63,6 +76,49 @@ def _wire(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def _completed(value: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    fut.set_result(value)
+    return fut
+
+
+class _Progress:
+    """A daemon thread that waits on MPI requests in posting order and completes their futures.
+
+    ``submit(request, finish)`` returns a future whose value is ``finish()``, called on the
+    thread once the request is complete (or the MPI error, if ``Wait`` raised one).
+    """
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[tuple[Any, Callable[[], Any], torch.futures.Future]] = (
+            queue.SimpleQueue()
+        )
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def submit(self, request: Any, finish: Callable[[], Any]) -> torch.futures.Future:
+        fut: torch.futures.Future = torch.futures.Future()
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(
+                    target=self._run, name="commopt-mpi-progress", daemon=True
+                )
+                self._thread.start()
+            self._queue.put((request, finish, fut))
+        return fut
+
+    def _run(self) -> None:
+        while True:
+            request, finish, fut = self._queue.get()
+            try:
+                request.Wait()  # GIL released inside: other Python threads run meanwhile
+                value = finish()
+            except BaseException as err:  # handed to whoever waits on the future
+                fut.set_exception(err)
+            else:
+                fut.set_result(value)
+
+
 class MpiBackend:
     """Collectives through mpi4py on ``comm`` (default ``MPI.COMM_WORLD``).
 
@@ -85,6 +141,9 @@ class MpiBackend:
         self._reduce_ops = {"sum": MPI.SUM, "avg": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
         # torch.distributed's convention for bool: sum/max = OR, min = AND (as 0/1 bytes).
         self._bool_ops = {"sum": MPI.MAX, "max": MPI.MAX, "min": MPI.MIN}
+        # Non-blocking collectives need a second thread inside MPI (see the module docstring).
+        self.nonblocking = MPI.Query_thread() == MPI.THREAD_MULTIPLE
+        self._progress = _Progress()
 
     # -- buffers -------------------------------------------------------------------------------
     def _to_mpi(self, t: torch.Tensor) -> torch.Tensor:
@@ -166,6 +225,59 @@ class MpiBackend:
         if recv is not out:
             out.copy_(recv)
         return out
+
+    # -- non-blocking collectives (commopt.comm.asynchronous) -----------------------------------
+    def _posts_directly(self, *tensors: torch.Tensor) -> bool:
+        """Whether MPI may be handed these buffers for a non-blocking call (no host staging)."""
+        return self.nonblocking and not any(
+            _stage_through_host(t.device, self.cuda_aware) for t in tensors
+        )
+
+    def all_reduce_async(
+        self, t: torch.Tensor, op: ReduceOp = "sum"
+    ) -> torch.futures.Future[torch.Tensor]:
+        """:meth:`all_reduce` as ``Iallreduce``; the future completes with ``t`` reduced in place
+        (for ``"avg"``: the sum, then the same division by ``world_size``)."""
+        if not self._posts_directly(t) or t.dtype in _HALF:
+            return _completed(self.all_reduce(t, op))
+        if op not in self._reduce_ops:
+            raise ValueError(f"all_reduce: unknown op {op!r}; expected sum, avg, max or min")
+        if op == "avg" and not (t.is_floating_point() or t.is_complex()):
+            raise ValueError(
+                f"all_reduce: op='avg' needs a floating-point tensor, got {t.dtype}; "
+                "use op='sum' and divide by world_size yourself"
+            )
+        self._check_contiguous("all_reduce", t)
+        self.stats.record("all_reduce", t.numel() * t.element_size(), self.world_size)
+        mpi_op = self._bool_ops[op] if t.dtype == torch.bool else self._reduce_ops[op]
+        self._ready(t)
+        request = self.comm.Iallreduce(self._mpi.IN_PLACE, _wire(t), op=mpi_op)
+        n = self.world_size
+        return self._progress.submit(request, lambda: t.div_(n) if op == "avg" else t)
+
+    def all_gather_async(
+        self, out: torch.Tensor, t: torch.Tensor
+    ) -> torch.futures.Future[torch.Tensor]:
+        """:meth:`all_gather` as ``Iallgather``; the future completes with ``out``."""
+        if not self._posts_directly(t, out):
+            return _completed(self.all_gather(out, t))
+        check_equal_split("all_gather", out, t, self.world_size)
+        self.stats.record("all_gather", t.numel() * t.element_size(), self.world_size)
+        self._ready(t, out)
+        request = self.comm.Iallgather(_wire(t), _wire(out))
+        return self._progress.submit(request, lambda: (t, out)[1])  # keeps t alive until done
+
+    def all_to_all_async(
+        self, out: torch.Tensor, t: torch.Tensor
+    ) -> torch.futures.Future[torch.Tensor]:
+        """:meth:`all_to_all` as ``Ialltoall``; the future completes with ``out``."""
+        if not self._posts_directly(t, out):
+            return _completed(self.all_to_all(out, t))
+        check_equal_split("all_to_all", out, t, self.world_size)
+        self.stats.record("all_to_all", t.numel() * t.element_size(), self.world_size)
+        self._ready(t, out)
+        request = self.comm.Ialltoall(_wire(t), _wire(out))
+        return self._progress.submit(request, lambda: (t, out)[1])  # keeps t alive until done
 
     def broadcast(self, t: torch.Tensor, src: int = 0) -> torch.Tensor:
         if not 0 <= src < self.world_size:

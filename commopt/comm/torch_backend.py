@@ -12,6 +12,16 @@ __all__ = ["TorchBackend"]
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
+def _completes_with(work: dist.Work, out: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+    """A future that completes with ``out`` when ``work`` has (raising what ``work`` raised)."""
+
+    def finish(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
+        fut.wait()
+        return out
+
+    return work.get_future().then(finish)
+
+
 class TorchBackend:
     """Collectives through ``torch.distributed`` on ``group`` (default: the default group).
 
@@ -69,6 +79,26 @@ class TorchBackend:
             return t.div_(n) if op == "avg" else t
 
         return work.get_future().then(finish)
+
+    def all_gather_async(
+        self, out: torch.Tensor, t: torch.Tensor
+    ) -> torch.futures.Future[torch.Tensor]:
+        """:meth:`all_gather` started in the background (``async_op=True``); the future completes
+        with ``out``. See :func:`commopt.comm.all_gather_async`."""
+        check_equal_split("all_gather", out, t, self.world_size)
+        self.stats.record("all_gather", t.numel() * t.element_size(), self.world_size)
+        work = dist.all_gather_single(out.view(-1), t.reshape(-1), group=self.group, async_op=True)
+        return _completes_with(work, out)
+
+    def all_to_all_async(
+        self, out: torch.Tensor, t: torch.Tensor
+    ) -> torch.futures.Future[torch.Tensor]:
+        """:meth:`all_to_all` started in the background (``async_op=True``); the future completes
+        with ``out``. See :func:`commopt.comm.all_to_all_async`."""
+        check_equal_split("all_to_all", out, t, self.world_size)
+        self.stats.record("all_to_all", t.numel() * t.element_size(), self.world_size)
+        work = dist.all_to_all_single(out.view(-1), t.reshape(-1), group=self.group, async_op=True)
+        return _completes_with(work, out)
 
     def all_gather(self, out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         check_equal_split("all_gather", out, t, self.world_size)

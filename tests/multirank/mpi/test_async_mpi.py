@@ -1,0 +1,90 @@
+"""MpiBackend's non-blocking collectives (Iallreduce/Iallgather/Ialltoall + a progress thread).
+
+Same bytes as the blocking calls, several in flight at once; the futures complete without the
+caller polling MPI; and a thread blocked in an MPI call (blocking collective or ``Wait``) lets
+the main thread run Python. Collectives first, assertions after (conftest.py).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+from mpi4py import MPI
+
+from commopt.comm import MpiBackend, all_gather_async, all_reduce_async, all_to_all_async
+
+
+def _bits(t: torch.Tensor) -> bytes:
+    return t.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.uint8])
+def test_async_equals_blocking(mpi_backend: MpiBackend, world, allgather, dtype) -> None:
+    rank, n = world
+    gen = torch.Generator().manual_seed(31 * rank + 7)
+    numel = 40 * n
+    x = torch.randn(numel, generator=gen) * 100
+    x = x.to(dtype) if dtype.is_floating_point else (x.to(torch.int64) % 60).to(dtype)
+    ref_gather, ref_a2a = torch.empty(n * numel, dtype=dtype), torch.empty_like(x)
+    mpi_backend.all_gather(ref_gather, x)
+    mpi_backend.all_to_all(ref_a2a, x)
+    ref_red = x.clone()
+    mpi_backend.all_reduce(ref_red, "avg" if dtype.is_floating_point else "sum")
+    gather, a2a, red = torch.empty(n * numel, dtype=dtype), torch.empty_like(x), x.clone()
+    futs = [
+        all_gather_async(mpi_backend, gather, x),
+        all_to_all_async(mpi_backend, a2a, x),
+        all_reduce_async(mpi_backend, red, "avg" if dtype.is_floating_point else "sum"),
+    ]
+    # Nobody calls MPI while waiting here: the progress thread must complete all three.
+    deadline = time.monotonic() + 60
+    while not all(f.done() for f in futs) and time.monotonic() < deadline:
+        time.sleep(0.001)
+    values = [f.wait() for f in reversed(futs)][::-1]
+    everyone = allgather(_bits(gather))
+    assert mpi_backend.nonblocking  # mpi4py asks for MPI_THREAD_MULTIPLE; Open MPI grants it
+    assert values[0] is gather and values[1] is a2a and values[2] is red
+    assert _bits(gather) == _bits(ref_gather) and _bits(a2a) == _bits(ref_a2a)
+    assert _bits(red) == _bits(ref_red)
+    assert len(set(everyone)) == 1
+
+
+@pytest.mark.parametrize("how", ["blocking", "request"])
+def test_waiting_in_mpi_releases_the_gil(mpi_backend: MpiBackend, world, allgather, how) -> None:
+    rank, _ = world
+    t = torch.ones(1024)
+    out = torch.empty_like(t)
+
+    def communicate() -> None:
+        if how == "blocking":
+            MPI.COMM_WORLD.Allreduce(MPI.IN_PLACE, t.numpy(), op=MPI.SUM)
+        else:
+            all_to_all_async(mpi_backend, out, t).wait()
+
+    window: list[float] = []
+    stamps: list[float] = []
+    if rank == 1:
+        time.sleep(1.0)  # everyone else's collective waits for this rank
+        communicate()
+    else:
+
+        def timed() -> None:
+            window.append(time.perf_counter())
+            communicate()
+            window.append(time.perf_counter())
+
+        worker = threading.Thread(target=timed)
+        worker.start()
+        while worker.is_alive():
+            stamps.append(time.perf_counter())
+        worker.join()
+    middle = 0
+    if window:
+        t0, t1 = window
+        middle = sum(t0 + 0.25 * (t1 - t0) < s < t1 - 0.25 * (t1 - t0) for s in stamps)
+    results = allgather((window[1] - window[0], middle) if window else None)
+    assert results[0][0] > 0.5, results  # rank 0's worker did wait for rank 1
+    assert all(r is None or r[1] > 0 for r in results), results  # and its main thread ran
