@@ -25,7 +25,7 @@ import math
 from collections import deque
 from typing import Any
 
-__all__ = ["AutoFreeze", "settled_step", "variance_level"]
+__all__ = ["AutoFreeze", "FreezePoint", "settled_step", "variance_level"]
 
 logger = logging.getLogger(__name__)
 
@@ -173,3 +173,52 @@ class AutoFreeze:
             f"AutoFreeze(min_step={self.min_step}, max_step={self.max_step}, "
             f"window={self.window}, threshold={self.threshold}, frozen_at={self.frozen_at})"
         )
+
+
+class FreezePoint:
+    """One optimizer's last full-precision step: a fixed step, or with ``"auto"`` the step
+    :class:`AutoFreeze` chooses.
+
+    The rule's whole state lives in ``schedule`` (the optimizer's ``global_state``, saved and
+    restored with it): ``"auto_freeze"`` after every observation, ``"auto_freeze_step"`` once it
+    has chosen. So a resumed run decides at the same step. An optimizer whose ``global_state``
+    is replaced (a loaded state dict) builds a new FreezePoint over the new one.
+
+    Args:
+        value: the config's freeze step (an int) or ``"auto"``.
+        schedule: the shared schedule state the decision is kept in.
+    """
+
+    def __init__(self, value: int | str, schedule: dict[str, Any]) -> None:
+        self.value = value
+        self._schedule = schedule
+        self._rule: AutoFreeze | None = None
+
+    def last_full_step(self) -> float:
+        """The fixed step, or the step the rule chose (``math.inf`` until it has chosen)."""
+        if self.value != "auto":
+            return self.value
+        decided = self._schedule.get("auto_freeze_step")
+        return math.inf if decided is None else decided
+
+    @property
+    def rule(self) -> AutoFreeze:
+        """The automatic freeze rule and its state (restored from the schedule at first use)."""
+        if self._rule is None:
+            self._rule = AutoFreeze()
+            saved = self._schedule.get("auto_freeze")
+            if saved is not None:
+                self._rule.load_state_dict(saved)
+        return self._rule
+
+    def observe(self, step: int, level: float, ready: bool = True) -> bool:
+        """Feed the variance level ℓ of step ``step`` to the rule; True once frozen.
+
+        ℓ is computed from v, identical on every rank, so every rank decides alike.
+        """
+        rule = self.rule
+        frozen = rule.observe(step, level, ready)
+        self._schedule["auto_freeze"] = rule.state_dict()
+        if frozen:
+            self._schedule["auto_freeze_step"] = rule.frozen_at
+        return frozen

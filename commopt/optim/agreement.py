@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 from collections.abc import Callable, Iterator, MutableMapping, Sequence
 from typing import Any
@@ -18,9 +19,11 @@ import torch
 from commopt.comm import Backend
 
 __all__ = [
+    "GradientAgreement",
     "GradientVerdict",
     "agree_on_gradients",
     "check_same_model",
+    "describe_param",
     "left_untouched",
     "model_key",
 ]
@@ -99,6 +102,15 @@ def _all_finite(t: torch.Tensor) -> bool:
     return bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all())
 
 
+def describe_param(param_groups: Sequence[dict[str, Any]], flat_index: int) -> str:
+    """``param_groups[g]['params'][i]`` for a parameter's flat index (for the messages)."""
+    for gi, g in enumerate(param_groups):
+        if flat_index < len(g["params"]):
+            return f"param_groups[{gi}]['params'][{flat_index}]"
+        flat_index -= len(g["params"])
+    raise IndexError(flat_index)
+
+
 @dataclasses.dataclass(frozen=True)
 class GradientVerdict:
     """What the ranks agreed on about this step's gradients."""
@@ -174,3 +186,67 @@ def left_untouched(
                 now.copy_(state[key])
             elif key == "master":
                 now.copy_(value)
+
+
+class GradientAgreement:
+    """One optimizer's agreement across ranks: the model checked once (again when a param group
+    joined), then one gradient verdict per step.
+
+    Owns the parameter count all ranks last agreed on (None: check the model at the next step)
+    and this rank's :func:`model_key`, kept for as long as the parameter list is the same.
+
+    Args:
+        name: the optimizer's class name, for the messages.
+    """
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.agreed_count: int | None = None
+        self._key: tuple[tuple[int, ...], int] | None = None  # (param ids, model_key)
+
+    def check_model(
+        self,
+        backend: Backend,
+        params: Sequence[torch.Tensor],
+        param_groups: Sequence[dict[str, Any]],
+    ) -> None:
+        """:func:`check_same_model`, unless the ranks have agreed since the last :meth:`forget`."""
+        if self.agreed_count is None:
+            check_same_model(backend, params, functools.partial(describe_param, param_groups))
+            self.agreed_count = len(params)
+
+    def forget(self) -> None:
+        """Check the model again at the next step (state was loaded)."""
+        self.agreed_count = None
+
+    def verdict(
+        self,
+        backend: Backend,
+        params: Sequence[torch.Tensor],
+        param_groups: Sequence[dict[str, Any]],
+        collective: bool,
+    ) -> GradientVerdict:
+        """:func:`agree_on_gradients`; a model that changed on some rank is checked again (which
+        raises on every rank alike, or every rank added the same group: agree again).
+
+        Raises:
+            RuntimeError: some rank has a sparse gradient (on every rank alike).
+        """
+        describe = functools.partial(describe_param, param_groups)
+        ids = tuple(id(p) for p in params)
+        if self._key is None or self._key[0] != ids:
+            self._key = (ids, model_key(params))
+        key = self._key[1]
+        verdict = agree_on_gradients(backend, params, describe, collective, key, self.agreed_count)
+        if collective and (not verdict.same_model or len(params) != self.agreed_count):
+            check_same_model(backend, params, describe)  # raises on every rank
+            self.agreed_count = len(params)  # every rank added the same group: agree again
+            verdict = agree_on_gradients(
+                backend, params, describe, collective, key, self.agreed_count
+            )
+        if verdict.sparse_at is not None:
+            raise RuntimeError(
+                f"{self.name} does not support sparse gradients (found at "
+                f"{verdict.sparse_at}); use dense gradients, e.g. nn.Embedding(sparse=False)"
+            )
+        return verdict

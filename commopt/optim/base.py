@@ -4,12 +4,16 @@ The pieces it orchestrates each own their state and live in their own module:
 
 - :class:`~commopt.optim.flat_state.FlatState`, one per bucket: flat fp32 buffers whose views
   are ``state[p][key]``, per-tensor scalars, this rank's exchange buffers, scratch;
-- :mod:`~commopt.optim.agreement`: the model fingerprint and the per-step gradient verdict,
-  each one small all-reduce so that all ranks raise or skip alike;
+- :class:`~commopt.optim.layout.BucketLayout`: which parameters share a bucket;
+- :class:`~commopt.optim.agreement.GradientAgreement`: the model fingerprint and the per-step
+  gradient verdict, each one small all-reduce so that all ranks raise or skip alike;
+- :class:`~commopt.optim.communication.Communication`: the backend, the exchange, the rounds;
+- :class:`~commopt.freeze.FreezePoint`: the last full-precision step, fixed or automatic;
 - :mod:`~commopt.optim.precision`: fp32 master weights for bf16/fp16 parameters;
 - :mod:`~commopt.optim.adam_math`: the arithmetic, as free functions;
 - :mod:`~commopt.exchange`: how a flat buffer is averaged at one bit;
-- :mod:`~commopt.optim.config`: the schedule, saved and checked on resume.
+- :mod:`~commopt.optim.config` and :mod:`~commopt.optim.resume`: the schedule, saved and
+  checked on resume.
 
 An algorithm subclass names its flat keys and implements ``_step(step)``.
 """
@@ -18,33 +22,28 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import dataclasses
 import math
-import os
 from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
 
 import torch
 
-from commopt.buckets import DEFAULT_BUCKET_NUMEL, Segment, build_buckets
-from commopt.comm import Backend, resolve_backend
+from commopt.buckets import DEFAULT_BUCKET_NUMEL, Segment
+from commopt.comm import Backend
 from commopt.compressed import NonFiniteError
-from commopt.exchange import Exchange, optimizer_exchange
-from commopt.freeze import AutoFreeze
-from commopt.optim.agreement import (
-    agree_on_gradients,
-    check_same_model,
-    left_untouched,
-    model_key,
-)
-from commopt.optim.config import ConfigAttributes, check_config_change
+from commopt.exchange import Exchange
+from commopt.freeze import AutoFreeze, FreezePoint
+from commopt.optim.agreement import GradientAgreement, left_untouched
+from commopt.optim.communication import Communication
+from commopt.optim.config import ConfigAttributes
 from commopt.optim.early import EarlyWork
 from commopt.optim.flat_state import FlatState
+from commopt.optim.layout import BucketLayout
 from commopt.optim.overlap import GradientHooks
 from commopt.optim.param_checks import check_param_group
 from commopt.optim.precision import master_weights, unscale_grads_
-from commopt.optim.resume import keep_state_dtypes, restore_comm
-from commopt.optim.user_warning import warn_at_caller
+from commopt.optim.resume import commopt_entry, keep_state_dtypes, split_commopt_entry
+from commopt.optim.user_warning import warn_skipped
 from commopt.optim.variance_guard import ZeroVarianceGuard, apply_exp_avg_mask_
 from commopt.step_guard import adam_step_bound
 
@@ -77,8 +76,6 @@ class CompressedOptimizer(ConfigAttributes, torch.optim.Optimizer):
         backend: Backend | None,
         topology: str = "flat",
     ) -> None:
-        if isinstance(backend, (str, bytes, os.PathLike)):
-            resolve_backend(backend)  # raises the TypeError that says how to build one
         if topology not in TOPOLOGIES:
             choices = ", ".join(map(repr, TOPOLOGIES))
             raise ValueError(f"Invalid topology: {topology!r} (must be one of {choices})")
@@ -89,19 +86,17 @@ class CompressedOptimizer(ConfigAttributes, torch.optim.Optimizer):
         #: the step counter and any schedule state the ranks share; saved in ``state_dict()``
         self.global_state: dict[str, Any] = {"step": 0, "skipped_steps": 0}
         self.requested_backend = backend
-        self._backend: Backend | None = None
-        self._exchange: Exchange | None = None
-        self._states: list[FlatState] | None = None
-        self._pending_comm: dict[str, Any] | None = None
-        self._agreed_count: int | None = None  # parameters all ranks agreed on (None: check)
-        self._model_key: tuple[tuple[int, ...], int] | None = None  # (param ids, model_key)
-        self._rounds = {"full": 0, "compressed": 0}
-        self._last_compression: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._comm = Communication(backend, topology, config.error_feedback, config.econtrol_eta)
+        self._rounds = self._comm.rounds  # (commopt.optim.early counts into it too)
+        self._layout = BucketLayout(
+            type(self).__name__, self._flat_keys, self._lazy_flat_keys, self._scalar_keys
+        )
+        self._agreement = GradientAgreement(type(self).__name__)
+        self._freeze = FreezePoint(getattr(config, self._freeze_field), self.global_state)
         self._zero_variance_guard = ZeroVarianceGuard(type(self).__name__)
         self._early: EarlyWork | None = None  # work started before step() (commopt.ddp)
         self._step_now = 0  # the step being taken (set by step())
         self._hooks = GradientHooks(self)  # overlap=True: work started from gradient hooks
-        self._auto: AutoFreeze | None = None
         super().__init__(params, defaults)
 
     # -- hooks for subclasses -----------------------------------------------------------------
@@ -127,8 +122,8 @@ class CompressedOptimizer(ConfigAttributes, torch.optim.Optimizer):
         group = self.param_groups[-1]
         check_param_group(group, type(self).__name__, self.config, self.defaults)
         group.setdefault("first_step", self.global_state["step"])
-        if self._states is not None:
-            self._relayout()
+        if self._layout.states is not None:
+            self._layout.lay_out(*self._layout_args())
         if "_hooks" in self.__dict__ and self._hooks.enabled:  # (torch's __init__ adds groups
             self._hooks.attach(group["params"])  # before ours has run)
         # A group added on some ranks only changes their model key: the next step's agreement
@@ -138,53 +133,28 @@ class CompressedOptimizer(ConfigAttributes, torch.optim.Optimizer):
     @property
     def backend(self) -> Backend:
         """The resolved communication backend (``backend=None`` → SPEC §5, at first use)."""
-        if self._backend is None:
-            self._backend = resolve_backend(self.requested_backend)
-        return self._backend
+        return self._comm.backend
 
     @property
     def exchange(self) -> Exchange:
         """How buckets are averaged at one bit: SPEC §1 over :attr:`backend`, or the
         hierarchical exchange of :mod:`commopt.hierarchical` (``topology``)."""
-        if self._exchange is None:
-            cfg = self.config
-            self._exchange = optimizer_exchange(
-                self.backend, self.topology, cfg.error_feedback, cfg.econtrol_eta
-            )
-        return self._exchange
+        return self._comm.exchange
 
-    # -- the freeze point ---------------------------------------------------------------------
+    # -- the freeze point (commopt.freeze.FreezePoint, kept in global_state) -------------------
     def frozen_after(self) -> float:
         """The last full-precision step: the config's, or with ``"auto"`` the step
         :class:`~commopt.freeze.AutoFreeze` chose (``math.inf`` until it has chosen)."""
-        value = getattr(self.config, self._freeze_field)
-        if value != "auto":
-            return value
-        decided = self.global_state.get("auto_freeze_step")
-        return math.inf if decided is None else decided
+        return self._freeze.last_full_step()
 
     def _observe_variance(self, step: int, level: float, ready: bool = True) -> bool:
-        """Feed the variance level ℓ of step ``step`` to the automatic freeze; True once frozen.
-
-        Its whole state lives in ``global_state`` (saved and restored with it), so a resumed
-        run decides at the same step. ℓ is computed from v, identical on every rank.
-        """
-        auto = self.auto_freeze
-        frozen = auto.observe(step, level, ready)
-        self.global_state["auto_freeze"] = auto.state_dict()
-        if frozen:
-            self.global_state["auto_freeze_step"] = auto.frozen_at
-        return frozen
+        """Feed the variance level ℓ of step ``step`` to the automatic freeze; True once frozen."""
+        return self._freeze.observe(step, level, ready)
 
     @property
     def auto_freeze(self) -> AutoFreeze:
         """The automatic freeze rule and its state (restored from ``global_state``)."""
-        if self._auto is None:
-            self._auto = AutoFreeze()
-            saved = self.global_state.get("auto_freeze")
-            if saved is not None:
-                self._auto.load_state_dict(saved)
-        return self._auto
+        return self._freeze.rule
 
     def _step_bound(self, group: dict[str, Any], bias_correction: bool = False) -> float:
         """B(β1, β2) of :mod:`commopt.step_guard` with ``step_guard``, else ``math.inf``."""
@@ -195,44 +165,13 @@ class CompressedOptimizer(ConfigAttributes, torch.optim.Optimizer):
     @property
     def flat_states(self) -> list[FlatState]:
         """One :class:`FlatState` per bucket (laid out at the first use)."""
-        if self._states is None:
-            self._states = self._layout({})
-        return self._states
+        if self._layout.states is None:
+            return self._layout.lay_out(*self._layout_args())
+        return self._layout.states
 
-    def _layout(self, keep: dict[tuple[int, ...], FlatState]) -> list[FlatState]:
-        """Buckets and their state; a bucket whose parameters are unchanged keeps its
-        exchange buffers (``keep``: old states by parameter ids). Groups that joined at
-        different steps never share a bucket: each runs its own schedule."""
-        starts = [
-            gi
-            for gi, g in enumerate(self.param_groups)
-            if gi and g["first_step"] != self.param_groups[gi - 1]["first_step"]
-        ]
-        states = []
-        for bucket in build_buckets(self.param_groups, self._bucket_numel, starts):
-            state = FlatState(
-                bucket,
-                self.state,
-                self._flat_keys,
-                self._lazy_flat_keys,
-                self._scalar_keys,
-                self.exchange.state_numels(bucket.numel),
-            )
-            old = keep.get(tuple(id(p) for p in bucket.params))
-            if old is not None:
-                for key, buf in state.comm.items():
-                    buf.copy_(old.comm[key])
-            states.append(state)
-        if self._pending_comm is not None:
-            restore_comm(
-                states, self._pending_comm, self.backend, self.exchange.name, type(self).__name__
-            )
-            self._pending_comm = None
-        return states
-
-    def _relayout(self) -> None:
-        keep = {tuple(id(p) for p in s.bucket.params): s for s in self._states or []}
-        self._states = self._layout(keep)
+    def _layout_args(self) -> tuple[Any, ...]:
+        """What :meth:`BucketLayout.lay_out` reads from this optimizer, as it is now."""
+        return self.param_groups, self.state, self._bucket_numel, self.exchange, self.backend
 
     def first_step(self, state: FlatState) -> int:
         """The global step before this bucket's parameters joined (0 for the constructor's)."""
@@ -246,29 +185,16 @@ class CompressedOptimizer(ConfigAttributes, torch.optim.Optimizer):
     # -- per-step helpers for the algorithms ---------------------------------------------------
     def _average(self, flat: torch.Tensor) -> torch.Tensor:
         """Full-precision average across ranks (warmup and variance steps)."""
-        if self.backend.world_size > 1:
-            self.backend.all_reduce(flat, "avg")
-            self._rounds["full"] += 1
-        return flat
+        return self._comm.average(flat)
 
     def _compress(
         self, state: FlatState, flat: torch.Tensor, comm: dict[str, torch.Tensor] | None = None
     ) -> torch.Tensor:
-        """Error-compensated 1-bit average of ``flat`` across ranks, written back into it.
-
-        At n = 1 the exchange is the identity but still refuses non-finite values, so a step
-        behaves alike at every world size (``NonFiniteError``: skipped, nothing changed).
-        ``comm`` replaces the bucket's exchange state (staged copies, :mod:`.early`).
-        """
+        """Error-compensated 1-bit average of ``flat`` across ranks, written back into it
+        (:meth:`Communication.compress`). ``comm`` replaces the bucket's exchange state
+        (staged copies, :mod:`.early`)."""
         comm = state.comm if comm is None else comm
-        s = self.exchange.allreduce_(flat, comm)
-        if self.backend.world_size > 1:
-            e = comm.get("worker_error")
-            if self.track_compression_error and s is not None and e is not None:
-                # e is now c − s·sgn(c); ‖c‖² = N·s² by the definition of s (s = ‖c‖/√N)
-                self._last_compression = (e.dot(e), s.double().square() * e.numel())
-            self._rounds["compressed"] += 1
-        return flat
+        return self._comm.compress(flat, comm, self.track_compression_error)
 
     def _mask(self, state: FlatState, flat: torch.Tensor) -> None:
         """flat ← flat ⊙ exp_avg_mask ⊙ [v ≠ 0], on what a compressed exchange returned."""
@@ -339,13 +265,6 @@ class CompressedOptimizer(ConfigAttributes, torch.optim.Optimizer):
             self._hooks.paused = previous
 
     # -- torch.optim.Optimizer API ------------------------------------------------------------
-    def _describe(self, flat_index: int) -> str:
-        for gi, g in enumerate(self.param_groups):
-            if flat_index < len(g["params"]):
-                return f"param_groups[{gi}]['params'][{flat_index}]"
-            flat_index -= len(g["params"])
-        raise IndexError(flat_index)
-
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """One step: agree on the gradients, run the algorithm, or skip on every rank alike."""
@@ -357,9 +276,7 @@ class CompressedOptimizer(ConfigAttributes, torch.optim.Optimizer):
         try:
             if self._early is not None:  # overlap: the thread's collectives come first
                 self._early.drain()
-            if self._agreed_count is None:
-                check_same_model(self.backend, params, self._describe)
-                self._agreed_count = len(params)
+            self._agreement.check_model(self.backend, params, self.param_groups)
             states = self.flat_states
             step = self._step_now = self.global_state["step"] + 1
             loss = self._agree_and_step(step, params, states, loss)
@@ -374,24 +291,7 @@ class CompressedOptimizer(ConfigAttributes, torch.optim.Optimizer):
         self, step: int, params: list[torch.Tensor], states: list[FlatState], loss: float | None
     ) -> float | None:
         collective = self._communicates(step)
-        ids = tuple(id(p) for p in params)
-        if self._model_key is None or self._model_key[0] != ids:
-            self._model_key = (ids, model_key(params))
-        key = self._model_key[1]
-        verdict = agree_on_gradients(
-            self.backend, params, self._describe, collective, key, self._agreed_count
-        )
-        if collective and (not verdict.same_model or len(params) != self._agreed_count):
-            check_same_model(self.backend, params, self._describe)  # raises on every rank
-            self._agreed_count = len(params)  # every rank added the same group: agree again
-            verdict = agree_on_gradients(
-                self.backend, params, self._describe, collective, key, self._agreed_count
-            )
-        if verdict.sparse_at is not None:
-            raise RuntimeError(
-                f"{type(self).__name__} does not support sparse gradients (found at "
-                f"{verdict.sparse_at}); use dense gradients, e.g. nn.Embedding(sparse=False)"
-            )
+        verdict = self._agreement.verdict(self.backend, params, self.param_groups, collective)
         if verdict.nonfinite:
             self._skip(step, "non-finite gradient", collective)
             if not collective:  # a local step: the shared schedule still moves on
@@ -424,16 +324,7 @@ class CompressedOptimizer(ConfigAttributes, torch.optim.Optimizer):
 
     def _skip(self, step: int, why: str, collective: bool) -> None:
         self.global_state["skipped_steps"] += 1
-        if collective:
-            what = f"{why} on at least one rank at step {step}; the step is skipped on every "
-            what += "rank and no state changed"
-        else:
-            what = (
-                f"{why} on rank {self.backend.rank} at local step {step}; this rank's local "
-                "update is dropped (the step communicates nothing) and the next sync reconciles "
-                "the replicas"
-            )
-        warn_at_caller(f"{type(self).__name__}: {what}")
+        warn_skipped(type(self).__name__, step, why, collective, self.backend.rank)
 
     # GradScaler.step(opt) calls step() on every rank, with grad_scale set, instead of skipping
     # it on the ranks that found an inf locally (which would leave the others waiting in the
@@ -441,54 +332,21 @@ class CompressedOptimizer(ConfigAttributes, torch.optim.Optimizer):
     _step_supports_amp_scaling = True
 
     def comm_stats(self) -> dict[str, Any]:
-        """Traffic of this optimizer's backend plus full-precision vs compressed rounds.
-
-        ``compression_error`` is ‖e‖/‖c‖ for this rank's last compressed call: c = x + e_old is
-        the error-compensated buffer this rank compressed and e = c − s·sgn(c) what its 1-bit
-        approximation missed (worker side only). It lies in [0, √2): about 0.6 for
-        Gaussian-like values, lower when magnitudes are uniform; a steady rise means the error
-        feedback is no longer keeping up. ``None`` before the first compressed call.
-        """
+        """Traffic of this optimizer's backend plus full-precision vs compressed rounds, and
+        ``compression_error`` (:meth:`~commopt.optim.communication.Communication.stats`)."""
         if self._early is not None:  # overlap: count what the thread can finish now
             self._early.settle()
-        stats = self.backend.stats
-        error = None
-        if self._last_compression is not None:
-            e_sq, c_sq = (float(v) for v in self._last_compression)
-            error = (max(e_sq, 0.0) / c_sq) ** 0.5 if c_sq > 0 else 0.0
-        return {
-            "calls": stats.calls,
-            "bytes_sent": stats.bytes_sent,
-            # modelled per collective (comm/base.py); these collectives are symmetric under it
-            "bytes_received": stats.bytes_sent,
-            "calls_by_op": dict(stats.calls_by_op),
-            "bytes_by_op": dict(stats.bytes_by_op),
-            "full_precision_rounds": self._rounds["full"],
-            "compressed_rounds": self._rounds["compressed"],
-            "skipped_steps": self.global_state["skipped_steps"],
-            "compression_error": error,
-            "exchange_state_numel": sum(
-                b.numel() for s in self._states or [] for b in s.comm.values()
-            ),
-        }
+        return self._comm.stats(self.global_state["skipped_steps"], self._layout.states or [])
 
-    # -- checkpoints --------------------------------------------------------------------------
+    # -- checkpoints (commopt.optim.resume) ---------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """torch's ``state_dict`` plus ``"commopt"``: the config, the shared schedule state, and
         this rank's exchange buffers with the rank and world size they belong to."""
         sd = super().state_dict()
-        be = self.backend
-        buckets = [s.comm_state_dict() for s in self._states or []]
-        if self._pending_comm is not None and not buckets:
-            buckets = self._pending_comm.get("buckets", [])
-        sd["commopt"] = {
-            "config": dataclasses.asdict(self.config),
-            "global": copy.deepcopy(self.global_state),
-            "world_size": be.world_size,
-            "rank": be.rank,
-            "exchange": self.exchange.name,
-            "buckets": buckets,
-        }
+        buckets = self._layout.comm_state_dicts()
+        sd["commopt"] = commopt_entry(
+            self.config, self.global_state, self.backend, self.exchange.name, buckets
+        )
         return sd
 
     def load_state_dict(
@@ -503,20 +361,17 @@ class CompressedOptimizer(ConfigAttributes, torch.optim.Optimizer):
         """
         if self._early is not None:  # nothing may be in flight on the buffers replaced here
             self._early.drain()
-        state_dict = dict(state_dict)
-        comm = state_dict.pop("commopt", None)
-        if comm is not None and "config" in comm:
-            check_config_change(
-                comm["config"], self.config, type(self).__name__, allow_config_change
-            )
+        state_dict, comm = split_commopt_entry(
+            state_dict, self.config, type(self).__name__, allow_config_change
+        )
         super().load_state_dict(state_dict)
         for group in self.param_groups:  # state dicts saved before first_step existed
             group.setdefault("first_step", 0)
         keep_state_dtypes(self, state_dict)
         if comm is not None:
             self.global_state = copy.deepcopy(comm["global"])
-            self._pending_comm = comm
-        self._auto = None  # rebuilt from global_state at the next observation
-        self._states = None  # rebuild flat buffers from the loaded per-parameter state
+        # rebuilt from the loaded state at the next use: freeze point, flat buffers, agreement
+        self._freeze = FreezePoint(self._freeze.value, self.global_state)
+        self._layout.forget(comm)
         self._early = None  # nothing staged survives a load
-        self._agreed_count = None
+        self._agreement.forget()

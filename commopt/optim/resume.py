@@ -1,4 +1,8 @@
-"""Resuming: this rank's exchange buffers back from a state dict, state dtypes kept fp32.
+"""Resuming: the ``"commopt"`` entry of a state dict, exchange buffers back, state kept fp32.
+
+``state_dict()`` is torch's plus ``"commopt"``: the config, the shared schedule state, and this
+rank's exchange buffers with the rank and world size they belong to. ``load_state_dict`` checks
+the saved config first (a different schedule would move the run into another phase).
 
 The per-rank buffers (error feedback) are restored only into the rank, world size and exchange
 they were saved by; anything else resets them to zero with one warning (never another rank's
@@ -7,15 +11,50 @@ buffers, which would silently bias this rank's compression).
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import warnings
 from typing import Any
 
 import torch
 
 from commopt.comm import Backend
+from commopt.optim.config import check_config_change
 from commopt.optim.flat_state import FlatState
 
-__all__ = ["keep_state_dtypes", "restore_comm"]
+__all__ = ["commopt_entry", "keep_state_dtypes", "restore_comm", "split_commopt_entry"]
+
+
+def commopt_entry(
+    config: Any,
+    global_state: dict[str, Any],
+    backend: Backend,
+    exchange_name: str,
+    buckets: list[dict[str, Any]],
+) -> dict[str, Any]:
+    """The ``"commopt"`` entry of ``state_dict()``: the config, the shared schedule state, and
+    this rank's exchange buffers (``buckets``) with the rank and world size they belong to."""
+    return {
+        "config": dataclasses.asdict(config),
+        "global": copy.deepcopy(global_state),
+        "world_size": backend.world_size,
+        "rank": backend.rank,
+        "exchange": exchange_name,
+        "buckets": buckets,
+    }
+
+
+def split_commopt_entry(
+    state_dict: dict[str, Any], config: Any, name: str, allow_config_change: bool
+) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """torch's part of ``state_dict`` and its ``"commopt"`` entry (None: saved by torch or
+    without one), after checking the saved config against ``config``
+    (:func:`~commopt.optim.config.check_config_change`)."""
+    state_dict = dict(state_dict)
+    comm = state_dict.pop("commopt", None)
+    if comm is not None and "config" in comm:
+        check_config_change(comm["config"], config, name, allow_config_change)
+    return state_dict, comm
 
 
 def restore_comm(

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["warn_at_caller"]
+__all__ = ["warn_at_caller", "warn_skipped"]
 
 _INTERNAL_DIRS = tuple(
     str(path) + os.sep
@@ -24,3 +24,18 @@ def warn_at_caller(message: str) -> None:
     while frame is not None and frame.f_code.co_filename.startswith(_INTERNAL_DIRS):
         frame, level = frame.f_back, level + 1
     warnings.warn(message, stacklevel=level)
+
+
+def warn_skipped(name: str, step: int, why: str, collective: bool, rank: int) -> None:
+    """Say that optimizer ``name`` skipped step ``step`` and why: on every rank (``collective``)
+    or, for a purely local step, only this rank's update."""
+    if collective:
+        what = f"{why} on at least one rank at step {step}; the step is skipped on every "
+        what += "rank and no state changed"
+    else:
+        what = (
+            f"{why} on rank {rank} at local step {step}; this rank's local "
+            "update is dropped (the step communicates nothing) and the next sync reconciles "
+            "the replicas"
+        )
+    warn_at_caller(f"{name}: {what}")

@@ -34,8 +34,8 @@ def _imports(path: pathlib.Path) -> list[str]:
 @pytest.mark.parametrize(
     "path",
     [
-        *sorted(p for sub in ("comm", "kernels") for p in (_PKG / sub).glob("*.py")),
-        *(_PKG / f"{name}.py" for name in ("checkpoint", "faults", "launch", "monitor")),
+        *sorted(p for sub in ("checkpoint", "comm", "kernels") for p in (_PKG / sub).glob("*.py")),
+        *(_PKG / f"{name}.py" for name in ("faults", "launch", "monitor")),
     ],
     ids=lambda p: str(p.relative_to(_PKG)),
 )

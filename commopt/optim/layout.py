@@ -1,0 +1,100 @@
+"""Which parameters share a flat buffer: an optimizer's buckets and their :class:`FlatState`.
+
+The buckets are laid out at first use (the exchange, which sizes the per-rank buffers, needs the
+backend), again when a param group joins, and from scratch after ``load_state_dict``. Groups
+that joined at different steps never share a bucket: each runs its own schedule. The exchange
+buffers of a loaded state dict wait here until there are buckets to restore them into.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, MutableMapping, Sequence
+from typing import Any
+
+import torch
+
+from commopt.buckets import build_buckets
+from commopt.comm import Backend
+from commopt.exchange import Exchange
+from commopt.optim.flat_state import FlatState
+from commopt.optim.resume import restore_comm
+
+__all__ = ["BucketLayout"]
+
+
+class BucketLayout:
+    """An optimizer's buckets, their state, and loaded exchange buffers not yet restored.
+
+    Args:
+        name: the optimizer's class name, for the warnings.
+        keys: flat keys allocated with the bucket (``FlatState``'s ``keys``).
+        lazy_keys: flat keys allocated on first use.
+        scalar_keys: per-tensor scalar keys and their initial values.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        keys: Sequence[str],
+        lazy_keys: Sequence[str],
+        scalar_keys: Mapping[str, float],
+    ) -> None:
+        self.name = name
+        self.keys = tuple(keys)
+        self.lazy_keys = tuple(lazy_keys)
+        self.scalar_keys = dict(scalar_keys)
+        #: one FlatState per bucket; None until laid out (or after a load)
+        self.states: list[FlatState] | None = None
+        #: the ``"commopt"`` entry of a loaded state dict, until the buckets exist
+        self.pending: dict[str, Any] | None = None
+
+    def lay_out(
+        self,
+        param_groups: list[dict[str, Any]],
+        param_state: MutableMapping[torch.Tensor, dict[str, Any]],
+        bucket_numel: int | None,
+        exchange: Exchange,
+        backend: Backend,
+    ) -> list[FlatState]:
+        """Buckets and their state; a bucket whose parameters are unchanged keeps its exchange
+        buffers, and loaded ones are restored into the new buckets."""
+        keep = {tuple(id(p) for p in s.bucket.params): s for s in self.states or []}
+        starts = [
+            gi
+            for gi, g in enumerate(param_groups)
+            if gi and g["first_step"] != param_groups[gi - 1]["first_step"]
+        ]
+        states = []
+        for bucket in build_buckets(param_groups, bucket_numel, starts):
+            state = FlatState(
+                bucket,
+                param_state,
+                self.keys,
+                self.lazy_keys,
+                self.scalar_keys,
+                exchange.state_numels(bucket.numel),
+            )
+            old = keep.get(tuple(id(p) for p in bucket.params))
+            if old is not None:
+                for key, buf in state.comm.items():
+                    buf.copy_(old.comm[key])
+            states.append(state)
+        if self.pending is not None:
+            restore_comm(states, self.pending, backend, exchange.name, self.name)
+            self.pending = None
+        self.states = states
+        return states
+
+    def forget(self, loaded: dict[str, Any] | None) -> None:
+        """Drop the buckets (state was loaded: laid out anew at the next use); ``loaded``, the
+        state dict's ``"commopt"`` entry, is restored into them then."""
+        self.states = None
+        if loaded is not None:
+            self.pending = loaded
+
+    def comm_state_dicts(self) -> list[dict[str, Any]]:
+        """This rank's exchange buffers per bucket (the loaded ones while not laid out)."""
+        buckets = [s.comm_state_dict() for s in self.states or []]
+        if self.pending is not None and not buckets:
+            buckets = self.pending.get("buckets", [])
+        return buckets
