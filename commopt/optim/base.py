@@ -273,11 +273,16 @@ class CompressedOptimizer(ConfigAttributes, torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         params = [p for g in self.param_groups for p in g["params"]]
-        self._agreement.check_model(self.backend, params, self.param_groups)
-        states = self.flat_states
-        step = self._step_now = self.global_state["step"] + 1
         try:
-            return self._agree_and_step(step, params, states, loss)
+            if self._early is not None:  # overlap: the thread's collectives come first
+                self._early.drain()
+            self._agreement.check_model(self.backend, params, self.param_groups)
+            states = self.flat_states
+            step = self._step_now = self.global_state["step"] + 1
+            loss = self._agree_and_step(step, params, states, loss)
+            if self._early is not None:
+                self._early.fix_order()
+            return loss
         finally:
             if self._early is not None:  # taken or skipped: nothing staged survives the step
                 self._early.clear()
@@ -329,6 +334,8 @@ class CompressedOptimizer(ConfigAttributes, torch.optim.Optimizer):
     def comm_stats(self) -> dict[str, Any]:
         """Traffic of this optimizer's backend plus full-precision vs compressed rounds, and
         ``compression_error`` (:meth:`~commopt.optim.communication.Communication.stats`)."""
+        if self._early is not None:  # overlap: count what the thread can finish now
+            self._early.settle()
         return self._comm.stats(self.global_state["skipped_steps"], self._layout.states or [])
 
     # -- checkpoints (commopt.optim.resume) ---------------------------------------------------
@@ -352,6 +359,8 @@ class CompressedOptimizer(ConfigAttributes, torch.optim.Optimizer):
                 which would move the run into another phase; pass ``allow_config_change=True``
                 to resume under this optimizer's config on purpose.
         """
+        if self._early is not None:  # nothing may be in flight on the buffers replaced here
+            self._early.drain()
         state_dict, comm = split_commopt_entry(
             state_dict, self.config, type(self).__name__, allow_config_change
         )

@@ -28,6 +28,15 @@ on the optimizer's layout makes the result bit-identical to the standalone optim
 DDP groups the parameters, and keeps the error buffers where they always were (the
 optimizer's ``state_dict()``).
 
+With ``overlap=True`` (:mod:`commopt.optim.overlap`) the same staged work starts from
+per-parameter gradient hooks instead of DDP, and the averages and exchanges run on the
+optimizer's communication thread (:mod:`commopt.optim.comm_thread`) in a fixed exchange order:
+each backward pass is a *round* of tickets, one per bucket at its position in that order, and
+a second synced pass before ``step()`` opens a new round (the bucket's earlier job is waited
+for before its staged buffers are written again). ``step()`` drains the thread first
+(:meth:`EarlyWork.drain`). The thread adds no buffers: only one exchange runs at a time, with
+the synchronous exchange's temporaries.
+
 Memory, per optimizer bucket of L elements, allocated at first use and kept: a staged gradient
 (L fp32) in steps with :data:`AVERAGE` work; a staged momentum (L fp32) and staged error buffers
 (N + N/n fp32 for the flat exchange, N = L padded) in steps with :data:`MOMENTUM` work. So about
@@ -37,7 +46,9 @@ the optimizer's own m, v, e and f.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import functools
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -47,6 +58,7 @@ from commopt.optim.flat_state import FlatState
 
 if TYPE_CHECKING:
     from commopt.optim.base import CompressedOptimizer
+    from commopt.optim.comm_thread import CommThread
 
 __all__ = ["AVERAGE", "MOMENTUM", "EarlyWork"]
 
@@ -59,10 +71,26 @@ MOMENTUM = "momentum"
 class _Staged:
     """One optimizer bucket's early work for one step."""
 
-    __slots__ = ("arrived", "averaged", "exchanged", "failed", "folded", "future", "step")
+    __slots__ = (
+        "arrived",
+        "averaged",
+        "exchanged",
+        "failed",
+        "folded",
+        "future",
+        "round",
+        "step",
+        "ticket",
+    )
 
-    def __init__(self, step: int) -> None:
+    def __init__(self, step: int, round_: int) -> None:
         self.step = step
+        self.reset(round_)
+
+    def reset(self, round_: int) -> None:
+        """Start the bucket over (a later backward pass of the same step)."""
+        self.round = round_  # the backward pass (overlap's rounds of tickets) it belongs to
+        self.ticket: int | None = None  # its job's ticket on the communication thread
         self.arrived: set[int] = set()  # parameter indices whose gradient is in the staged g
         self.future: torch.futures.Future[torch.Tensor] | None = None  # the staged g's average
         self.averaged: set[int] = set()  # bucket parameter indices whose gradient arrived averaged
@@ -82,13 +110,24 @@ class EarlyWork:
         self._momentum: dict[int, torch.Tensor] = {}  # id(FlatState) → staged m (kept)
         self._grads: dict[int, torch.Tensor] = {}  # id(FlatState) → staged gradient (kept)
         self._comm: dict[int, dict[str, torch.Tensor]] = {}  # id(FlatState) → staged e, f (kept)
+        # overlap=True: the communication thread's tickets (comm_thread.py)
+        self._round = 0  # backward passes whose tickets were reserved (a round each)
+        self._base: int | None = None  # first ticket of the open round (None: none reserved)
+        self._ticketed: set[int] = set()  # exchange positions given a job in the open round
+        self._position: dict[int, int] = {}  # id(FlatState) → position in the exchange order
+        self._order_fixed = False  # the order observed at the first step has been adopted
+        self._observed: list[int] = []  # bucket indices in the order they completed (step 1)
 
     # -- where a parameter lives ----------------------------------------------------------------
     def locate(self, p: torch.Tensor) -> tuple[FlatState, int] | None:
         """The optimizer bucket holding ``p`` and its index there (None: not this optimizer's)."""
         states = self._opt.flat_states
         if states is not self._layout:  # laid out anew (first use, new group, loaded state)
+            self.drain()  # nothing of the old layout may still be in flight
             self._layout = states
+            self._set_order(list(reversed(range(len(states)))))
+            self._order_fixed = False
+            self._observed.clear()
             self._where = {
                 id(p): (state, i) for state in states for i, p in enumerate(state.bucket.params)
             }
@@ -117,8 +156,100 @@ class EarlyWork:
         step = self.next_step()
         st = self._staged.get(id(state))
         if st is None or st.step != step:
-            st = self._staged[id(state)] = _Staged(step)
+            st = self._staged[id(state)] = _Staged(step, self._round)
         return st
+
+    # -- overlap: the communication thread, in a fixed exchange order ---------------------------
+    @property
+    def _thread(self) -> CommThread:
+        return self._opt._hooks.thread
+
+    def _set_order(self, order: list[int]) -> None:
+        """Bucket ``order[k]`` is the k-th to be exchanged (its ticket: the round's first + k)."""
+        states = self._layout or []
+        self._position = {id(states[b]): k for k, b in enumerate(order)}
+
+    def _restart(self, st: _Staged, seen: set[int], i: int) -> None:
+        """Before parameter ``i`` goes into the bucket's staged work (overlap): a bucket of an
+        earlier backward pass of this step starts over; a parameter seen twice in this pass's
+        round means a second synced backward pass, which opens a new round. Either way the
+        bucket's job, if any, has to finish first: it reads the staged buffers."""
+        if st.round == self._round and i not in seen:
+            return
+        if st.round == self._round:
+            self._close_round()
+        if st.ticket is not None:
+            self._thread.wait(st.ticket)
+        st.reset(self._round)
+
+    def _submit(
+        self,
+        state: FlatState,
+        st: _Staged,
+        job: Callable[[], None],
+        cancel: Callable[[BaseException], None] | None = None,
+    ) -> None:
+        """Queue the bucket's job at its position of the open round (reserving the round's
+        tickets first if none are)."""
+        thread = self._thread
+        if self._base is None:
+            self._base = thread.reserve(len(self._layout or []))
+            self._ticketed.clear()
+        position = self._position[id(state)]
+        st.ticket = self._base + position
+        self._ticketed.add(position)
+        if not self._order_fixed:
+            self._observed.append(next(b for b, s in enumerate(self._layout or []) if s is state))
+        thread.submit(st.ticket, job, cancel, state.bucket.device)
+
+    def _close_round(self) -> None:
+        """No more jobs in the open round: its tickets without one run nothing."""
+        if self._base is not None:
+            for position in range(len(self._layout or [])):
+                if position not in self._ticketed:
+                    self._thread.skip(self._base + position)
+            self._base = None
+        self._round += 1
+
+    def drain(self) -> None:
+        """Close the open round and wait until the communication thread has run all of it;
+        raise the error of any job that failed (after cancelling those behind it). Called by
+        ``step()`` before it communicates, so its collectives follow the thread's."""
+        if not self._opt._overlap:
+            return
+        self._close_round()
+        self._thread.wait_all()
+
+    def settle(self) -> None:
+        """Wait until the thread has run every job it can run now (not those behind a ticket
+        still open) — for reading counters mid-step."""
+        if self._opt._overlap:
+            self._thread.settle()
+
+    def fix_order(self) -> None:
+        """After the first overlapped step: exchange buckets in the order they completed,
+        rank 0's order on every rank (one broadcast, once), then the rest in reverse layout
+        order. Collective; every rank calls it from ``step()`` after the same-model check."""
+        if not self._opt._overlap or self._order_fixed or self._layout is None:
+            return
+        states = self._layout
+        order = list(dict.fromkeys(self._observed))
+        order += [b for b in reversed(range(len(states))) if b not in order]
+        backend = self._opt.backend
+        if backend.world_size > 1:
+            agreed = torch.tensor(order, dtype=torch.float32)  # fp32 moves on every backend
+            backend.broadcast(agreed, 0)
+            order = [int(b) for b in agreed.tolist()]
+        self._set_order(order)
+        self._order_fixed = True
+        self._observed.clear()
+
+    @property
+    def exchange_order(self) -> list[int]:
+        """Bucket indices in the order their exchanges run (overlap)."""
+        by_position = sorted((k, id_) for id_, k in self._position.items())
+        index = {id(s): b for b, s in enumerate(self._layout or [])}
+        return [index[id_] for _, id_ in by_position]
 
     def _current(self, state: FlatState, step: int) -> _Staged | None:
         st = self._staged.get(id(state))
@@ -126,7 +257,11 @@ class EarlyWork:
 
     # -- the hook's side ------------------------------------------------------------------------
     def average(
-        self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], last: bool
+        self,
+        params: Sequence[torch.Tensor],
+        grads: Sequence[torch.Tensor],
+        last: bool,
+        threaded: bool = False,
     ) -> list[tuple[torch.futures.Future[torch.Tensor], list[tuple[int, int, int]]]]:
         """Copy this rank's gradients of ``params`` into the staged gradient of their optimizer
         buckets; start the full-precision average of every bucket that is now complete (and,
@@ -134,7 +269,8 @@ class EarlyWork:
         missing parameters as zeros: they stay for ``step()`` to average). Collective, like
         :meth:`fold`. Returns, per optimizer bucket touched, a future of its averaged staged
         gradient and ``(k, start, numel)`` for each of ``params`` in it (k: position in
-        ``params``, start: offset in the bucket)."""
+        ``params``, start: offset in the bucket). ``threaded`` (overlap): the averages run on
+        the communication thread, in exchange order."""
         touched: dict[int, tuple[FlatState, _Staged, list[tuple[int, int, int]]]] = {}
         for k, (p, g) in enumerate(zip(params, grads, strict=True)):
             where = self.locate(p)
@@ -142,7 +278,9 @@ class EarlyWork:
                 raise RuntimeError("average: the parameter does not belong to this optimizer")
             state, i = where
             st = self._staged_for(state)
-            if i in st.arrived:  # a second synced backward before step(): start the bucket over
+            if threaded:
+                self._restart(st, st.arrived, i)
+            elif i in st.arrived:  # a second synced backward before step(): start it over
                 if st.averaged and st.future is not None:
                     st.future.wait()  # never overwrite a buffer a collective is still reading
                 st.arrived.clear()
@@ -168,10 +306,10 @@ class EarlyWork:
             ready = len(st.arrived) == len(state.bucket.params)
             if st.future is not None and not st.future.done() and not st.averaged:
                 if ready or last:
-                    self._start_average(state, st)
+                    self._start_average(state, st, threaded)
         return [(st.future, spans) for _, st, spans in touched.values()]  # type: ignore[misc]
 
-    def _start_average(self, state: FlatState, st: _Staged) -> None:
+    def _start_average(self, state: FlatState, st: _Staged, threaded: bool = False) -> None:
         from commopt.comm import all_reduce_async  # no import cycle at module load
 
         buf = self._grads[id(state)]
@@ -186,6 +324,13 @@ class EarlyWork:
         backend = self._opt.backend
         if backend.world_size > 1:
             self._opt._rounds["full"] += 1
+        if threaded:  # on the thread, in order; the same arithmetic as below
+
+            def job() -> None:
+                placeholder.set_result(all_reduce_async(backend, buf, "avg").wait())
+
+            self._submit(state, st, job, placeholder.set_exception)
+            return
         started = all_reduce_async(backend, buf, "avg")
 
         def done(fut: torch.futures.Future[torch.Tensor]) -> None:
@@ -196,11 +341,14 @@ class EarlyWork:
 
         started.add_done_callback(done)
 
-    def fold(self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> None:
+    def fold(
+        self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], threaded: bool = False
+    ) -> None:
         """m' ← β1·m + (1−β1)·g into the staged momentum, g being this rank's gradient of each
         parameter; every optimizer bucket whose parameters are now all folded is exchanged at
         once. Collective: every rank folds the same parameters in the same order (DDP calls its
-        hook bucket by bucket in the same order everywhere)."""
+        hook bucket by bucket in the same order everywhere). ``threaded`` (overlap): the
+        exchanges run on the communication thread, in exchange order."""
         complete: list[tuple[FlatState, _Staged]] = []
         for p, g in zip(params, grads, strict=True):
             where = self.locate(p)
@@ -209,7 +357,9 @@ class EarlyWork:
             state, i = where
             st = self._staged_for(state)
             self._grads.pop(id(state), None)  # 1-bit Adam never averages this bucket again
-            if i in st.folded:  # a second synced backward before step(): start the bucket over
+            if threaded:
+                self._restart(st, st.folded, i)
+            elif i in st.folded:  # a second synced backward before step(): start the bucket over
                 st.folded.clear()
                 st.exchanged = st.failed = False
             self._fold_one(state, i, g)
@@ -217,7 +367,10 @@ class EarlyWork:
             if len(st.folded) == len(state.bucket.params):
                 complete.append((state, st))
         for state, st in complete:
-            self._exchange(state, st)
+            if threaded:
+                self._submit(state, st, functools.partial(self._exchange, state, st))
+            else:
+                self._exchange(state, st)
 
     def _fold_one(self, state: FlatState, i: int, g: torch.Tensor | None) -> None:
         """One parameter, with the arithmetic of ``adam_math.momentum_from_grads_`` (lerp, or
@@ -308,7 +461,8 @@ class EarlyWork:
         once every average in flight has completed (their buffers are reused)."""
         for st in self._staged.values():
             if st.averaged and st.future is not None:
-                st.future.wait()
+                with contextlib.suppress(Exception):  # a failed average was raised already
+                    st.future.wait()
         self._staged.clear()
 
 

@@ -70,7 +70,13 @@ class OnebitAdam(CompressedOptimizer):
             False. Requires every rank to produce gradients for the same parameters in the same
             order each step; accumulate with :meth:`no_sync`; ``p.grad`` stays local, so
             clipping it after backward has no effect, and GradScaler is refused. Under DDP use
-            :mod:`commopt.ddp` instead. See docs/ddp.md.
+            :mod:`commopt.ddp` instead. The exchanges run on a communication thread, bucket
+            by bucket in the order their gradients become ready; see docs/overlap.md.
+        bucket_numel: the most elements one flat bucket holds (default 2**25; a larger tensor
+            gets a bucket of its own). One bucket is one compressed exchange: with
+            ``overlap=True``, several buckets let the first exchanges run while backward is
+            still computing the rest (docs/overlap.md). Results depend on the layout (one
+            scale per bucket), so compare runs at the same ``bucket_numel``.
         error_feedback: ``"classic"`` (SPEC §1, default) or ``"econtrol"`` (EControl, Gao et
             al. 2024; docs/algorithms/error_feedback.md) for the compressed exchange.
         econtrol_eta: η of EControl (default 0.2; ignored by ``"classic"``).
@@ -123,6 +129,7 @@ class OnebitAdam(CompressedOptimizer):
         *,
         topology: str = "flat",
         overlap: bool = False,
+        bucket_numel: int | None = None,
         error_feedback: str = "classic",
         econtrol_eta: float = 0.2,
         step_guard: bool = False,
@@ -137,6 +144,12 @@ class OnebitAdam(CompressedOptimizer):
         defaults = dict(
             lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction
         )
+        if bucket_numel is not None:
+            if isinstance(bucket_numel, bool) or not isinstance(bucket_numel, int):
+                raise TypeError(f"bucket_numel must be an int, got {type(bucket_numel).__name__}")
+            if bucket_numel < 1:
+                raise ValueError(f"Invalid bucket_numel: {bucket_numel} (must be >= 1)")
+            self._bucket_numel = bucket_numel
         super().__init__(params, defaults, config, backend, topology)
         if overlap:
             self._start_overlap()

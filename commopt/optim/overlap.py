@@ -1,19 +1,30 @@
-"""``overlap=True``: a bucket's communication starts during backward, from gradient hooks.
+"""``overlap=True``: a bucket's communication runs during backward, on a communication thread.
 
 As soon as a parameter's gradient is accumulated (``Tensor.register_post_accumulate_grad_hook``)
-its part of the step's early work starts: the warmup's full-precision average (asynchronous),
-or the folding of the gradient into a staged momentum whose compressed exchange starts once the
-bucket is complete (:mod:`commopt.optim.early`, shared with the DDP hook). ``step()`` waits
-for it and commits it, or drops it if the step is skipped. The hooks own only their handles and
-two switches; the staged work belongs to the optimizer's :class:`~commopt.optim.early.EarlyWork`.
+its part of the step's early work starts on the main thread: the gradient is copied into the
+warmup's staged gradient, or folded into a staged momentum (:mod:`commopt.optim.early`, shared
+with the DDP hook). Once an optimizer bucket is complete, its collective work — the warmup's
+full-precision average, or the compression stage's 1-bit exchange — is queued on the
+optimizer's :class:`~commopt.optim.comm_thread.CommThread`, which runs it while backward goes
+on. The thread runs buckets strictly in the *exchange order* (reverse layout order at first,
+since gradients become ready from the last layer back; from the second step on, the order in
+which rank 0 saw them complete at the first step), so every rank issues the same collectives
+in the same order. ``step()`` first drains the thread (raising any error of its jobs), then
+agrees on the gradients and commits the staged work, or drops it if the step is skipped.
+
+The hooks own their handles, two switches and the thread; the staged work belongs to the
+optimizer's :class:`~commopt.optim.early.EarlyWork`.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
+
+from commopt.optim.comm_thread import CommThread
 
 if TYPE_CHECKING:
     from commopt.optim.base import CompressedOptimizer
@@ -31,15 +42,35 @@ class GradientHooks:
         #: inside ``no_sync()``: a backward pass starts nothing
         self.paused = False
         self._handles: list[Any] = []
+        self._thread: CommThread | None = None
+
+    @property
+    def thread(self) -> CommThread:
+        """The optimizer's communication thread (created at first use; the OS thread itself
+        starts at the first job, and is stopped and joined when the optimizer is collected or
+        at interpreter exit)."""
+        if self._thread is None:
+            self._thread = CommThread(f"commopt-{type(self._opt).__name__}")
+            weakref.finalize(self._opt, self._thread.close)
+        return self._thread
 
     def enable(self, params: Sequence[torch.Tensor]) -> None:
         self.enabled = True
         self.attach(params)
 
     def attach(self, params: Sequence[torch.Tensor]) -> None:
+        # The parameters outlive an optimizer often enough (a new optimizer per phase): the hook
+        # holds it weakly, so a dropped optimizer is collected and its thread stopped.
+        ref = weakref.WeakMethod(self._ready)
+
+        def ready(p: torch.Tensor) -> None:
+            method = ref()
+            if method is not None:
+                method(p)
+
         for p in params:
             if p.requires_grad:
-                self._handles.append(p.register_post_accumulate_grad_hook(self._ready))
+                self._handles.append(p.register_post_accumulate_grad_hook(ready))
 
     @torch.no_grad()
     def _ready(self, p: torch.Tensor) -> None:
@@ -48,6 +79,6 @@ class GradientHooks:
         work = self._opt.early_work
         kind = work.plan([p])[0]
         if kind == "average" and work.locate(p) is not None:
-            work.average([p], [p.grad], last=False)
+            work.average([p], [p.grad], last=False, threaded=True)
         elif kind == "momentum":
-            work.fold([p], [p.grad])
+            work.fold([p], [p.grad], threaded=True)

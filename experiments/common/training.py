@@ -242,6 +242,8 @@ class Hyper:
     var_update_scaler: int = 16
     local_step_scaler: int = 32768
     local_step_clipper: int = 16
+    bucket_numel: int | None = None
+    """OnebitAdam's bucket_numel (None: its default, 2**25)"""
 
 
 class Setup:
@@ -270,6 +272,8 @@ class Setup:
         self._params = [p for p in model.parameters() if p.requires_grad]
         self.comm_steps = 0
         self.steps = 0
+        #: seconds spent in backward (with any average the variant does there) and in step()
+        self.seconds = {"backward": 0.0, "step": 0.0}
 
     @property
     def bytes_sent(self) -> int:
@@ -294,6 +298,7 @@ class Setup:
         self.optimizer.zero_grad(set_to_none=False)
         before = self._data_rounds()
         with self._counter.counting() if self._counter else contextlib.nullcontext():
+            t0 = time.perf_counter()
             loss.backward()
             if self._average_gradients and self._backend is not None:
                 flat = torch.cat([p.grad.reshape(-1) for p in self._params])
@@ -302,7 +307,10 @@ class Setup:
                 for p in self._params:
                     p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))
                     offset += p.numel()
+            t1 = time.perf_counter()
             self.optimizer.step()
+            self.seconds["backward"] += t1 - t0
+            self.seconds["step"] += time.perf_counter() - t1
         self.steps += 1
         self.comm_steps += int(self._data_rounds() > before)
 
@@ -387,6 +395,7 @@ def make_setup(label: str, model: nn.Module, hp: Hyper) -> Setup:
             freeze_step=hp.warmup,
             backend=backend,
             overlap=label == "OnebitAdam-overlap",
+            bucket_numel=hp.bucket_numel,
         )
     elif label == "ZeroOneAdam":
         opt = commopt.ZeroOneAdam(

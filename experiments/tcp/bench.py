@@ -8,6 +8,16 @@ Linear(hidden, width)`` (default 1024 → 4096 → 4096 → 1024: 25.2M paramete
 regression to a fixed random target with ``batch`` rows per rank (default 4), so there are few
 FLOPs per parameter and every step is dominated by moving the gradient (DDP) or momentum.
 
+``--model transformer``: a small pre-norm transformer encoder over token ids (default 4 layers,
+d_model 512, 8 heads, feed-forward 2048, vocabulary 8192, ``batch`` sequences of ``seq`` tokens:
+16.8M parameters), cross-entropy on random targets. It does 6·tokens FLOPs per parameter per
+step like any dense model, but with ``seq`` × ``batch`` tokens instead of ``batch`` rows, so
+backward takes long enough for ``overlap=True`` to have something to hide behind.
+
+``--bucket-numel`` sets OnebitAdam's bucket size (both OnebitAdam variants, so their results are
+bit-identical to each other); several buckets are what lets an overlapped exchange start before
+backward ends.
+
 Per variant: ``warmup`` + ``settle`` untimed steps (to enter the compression stage / phase B
 with the local interval at ``local_step_clipper``, and PowerSGD's compressed stage), then
 ``measure`` timed steps between two barriers; the figure is the slowest rank's wall time / steps
@@ -39,7 +49,7 @@ from torch import nn
 
 from experiments.common import Hyper, describe_machine, launch, make_setup
 
-__all__ = ["TCP_VARIANTS", "WideMLP", "main", "measure"]
+__all__ = ["TCP_VARIANTS", "SmallTransformer", "WideMLP", "main", "measure"]
 
 TCP_VARIANTS = (
     "DDP-fp32",
@@ -68,6 +78,49 @@ class WideMLP(nn.Module):
         return self.net(x)
 
 
+class SmallTransformer(nn.Module):
+    """Token embedding, pre-norm transformer encoder layers, a linear head over the vocabulary."""
+
+    def __init__(self, vocab: int, d_model: int, heads: int, ff: int, layers: int) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d_model)
+        self.layers = nn.ModuleList(
+            nn.TransformerEncoderLayer(
+                d_model, heads, ff, dropout=0.0, batch_first=True, norm_first=True
+            )
+            for _ in range(layers)
+        )
+        self.norm = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(self.norm(h))
+
+
+def _model_and_data(
+    args: argparse.Namespace, rank: int
+) -> tuple[nn.Module, torch.Tensor, torch.Tensor, Any]:
+    """The model (seeded alike on every rank), this rank's fixed batch, and the loss."""
+    gen = torch.Generator().manual_seed(1234 + rank)
+    torch.manual_seed(0)
+    if args.model == "transformer":
+        model = SmallTransformer(args.vocab, args.d_model, args.heads, args.ff, args.layers)
+        x = torch.randint(args.vocab, (args.batch, args.seq), generator=gen)
+        y = torch.randint(args.vocab, (args.batch, args.seq), generator=gen)
+
+        def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+            return F.cross_entropy(out.reshape(-1, out.shape[-1]), target.reshape(-1))
+
+        return model, x, y, loss_fn
+    model = WideMLP(args.width, args.hidden, args.depth)
+    x = torch.randn(args.batch, args.width, generator=gen)
+    y = torch.randn(args.batch, args.width, generator=gen)
+    return model, x, y, F.mse_loss
+
+
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     """Run on every rank: each variant's mean step time and traffic (rank 0's dict)."""
     rank, n = dist.get_rank(), dist.get_world_size()
@@ -81,25 +134,27 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         powersgd_rank=args.powersgd_rank,
         local_step_scaler=1,  # phase B: the local interval doubles every step up to the clipper
         local_step_clipper=args.local_step_clipper,
+        bucket_numel=args.bucket_numel,
     )
-    gen = torch.Generator().manual_seed(1234 + rank)
-    x = torch.randn(args.batch, args.width, generator=gen)
-    y = torch.randn(args.batch, args.width, generator=gen)
     results: dict[str, Any] = {"variants": {}}
     for label in args.variants:
-        torch.manual_seed(0)
-        model = WideMLP(args.width, args.hidden, args.depth)
+        model, x, y, loss_fn = _model_and_data(args, rank)
         results["numel"] = sum(p.numel() for p in model.parameters())
         setup = make_setup(label, model, hp)
         for _ in range(args.warmup + args.settle):
-            setup.step(F.mse_loss(setup.model(x), y))
+            setup.step(loss_fn(setup.model(x), y))
         dist.barrier()
         b0, c0 = setup.bytes_sent, setup.collectives
-        step_s = []
+        seconds0 = dict(setup.seconds)
+        thread = getattr(getattr(setup.optimizer, "_hooks", None), "_thread", None)
+        busy0 = thread.busy_seconds if thread is not None else 0.0
+        step_s, forward_s = [], 0.0
         t0 = time.perf_counter()
         for _ in range(args.measure):
             ts = time.perf_counter()
-            setup.step(F.mse_loss(setup.model(x), y))
+            loss = loss_fn(setup.model(x), y)
+            forward_s += time.perf_counter() - ts
+            setup.step(loss)
             step_s.append(time.perf_counter() - ts)
         dist.barrier()
         elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
@@ -116,6 +171,15 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             "bytes_per_step": (setup.bytes_sent - b0) / args.measure,
             "collectives_per_step": (setup.collectives - c0) / args.measure,
             "stage": setup.stage(hp.steps, hp),
+            # where a step's time goes, on rank 0: forward, backward (DDP: with its
+            # all-reduce; overlap: with the folds), step() (overlap: the wait for the thread),
+            # and the communication thread's busy time
+            "forward_ms": 1e3 * forward_s / args.measure,
+            "backward_ms": 1e3 * (setup.seconds["backward"] - seconds0["backward"]) / args.measure,
+            "optimizer_step_ms": 1e3 * (setup.seconds["step"] - seconds0["step"]) / args.measure,
+            "thread_busy_ms": (
+                1e3 * (thread.busy_seconds - busy0) / args.measure if thread is not None else None
+            ),
         }
         results["variants"][label] = entry
         if rank == 0 and args.progress:
@@ -133,17 +197,29 @@ def report(results: dict[str, Any], args: argparse.Namespace, machine: str) -> s
     v = results["variants"]
     fp32 = v.get("DDP-fp32", {}).get("mean_ms")
     fp16 = v.get("DDP-fp16", {}).get("mean_ms")
+    if args.model == "transformer":
+        model = (
+            f"SmallTransformer {args.layers} layers, d_model {args.d_model}, {args.heads} heads, "
+            f"ff {args.ff}, vocab {args.vocab}, {results['numel']:,} parameters, batch "
+            f"{args.batch}×{args.seq} tokens/rank"
+        )
+    else:
+        model = (
+            f"WideMLP {args.width}→{args.hidden}(×{args.depth + 1})→{args.width}, "
+            f"{results['numel']:,} parameters, batch {args.batch}/rank"
+        )
+    bucket = f"; OnebitAdam bucket_numel {args.bucket_numel}" if args.bucket_numel else ""
     lines = [
-        f"{args.label}: {results['world_size']} ranks, WideMLP {args.width}→{args.hidden}"
-        f"(×{args.depth + 1})→{args.width}, {results['numel']:,} parameters, batch "
-        f"{args.batch}/rank; warmup {args.warmup} + {args.settle} untimed steps, "
+        f"{args.label}: {results['world_size']} ranks, {model}{bucket}; warmup {args.warmup} + "
+        f"{args.settle} untimed steps, "
         f"{args.measure} timed steps; PowerSGD rank {args.powersgd_rank}; ZeroOneAdam local "
         f"interval {args.local_step_clipper}.",
         f"Machine: {machine}.",
         "",
         "| variant | stage timed | mean ms/step | median ms/step | speed-up vs DDP-fp32 "
-        "| speed-up vs DDP-fp16 | MB sent/step/rank | collectives/step |",
-        "|---|---|---|---|---|---|---|---|",
+        "| speed-up vs DDP-fp16 | MB sent/step/rank | collectives/step "
+        "| forward / backward / step() ms (rank 0) | comm thread busy ms |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for label, e in v.items():
         r32 = f"{fp32 / e['mean_ms']:.2f}x" if fp32 else "-"
@@ -153,9 +229,12 @@ def report(results: dict[str, Any], args: argparse.Namespace, machine: str) -> s
             mb = f"{2 * (n - 1) / n * 4 * results['numel'] / 1e6:.2f} (model)"
         else:
             mb = f"{e['bytes_per_step'] / 1e6:.2f}"
+        busy = e.get("thread_busy_ms")
         lines.append(
             f"| {label} | {e['stage']} | {e['mean_ms']:.1f} | {e['median_ms']:.1f} | {r32} "
-            f"| {r16} | {mb} | {e['collectives_per_step']:.2f} |"
+            f"| {r16} | {mb} | {e['collectives_per_step']:.2f} "
+            f"| {e['forward_ms']:.0f} / {e['backward_ms']:.0f} / {e['optimizer_step_ms']:.0f} "
+            f"| {'-' if busy is None else f'{busy:.0f}'} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -167,7 +246,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--hidden", type=int, default=4096)
     parser.add_argument("--depth", type=int, default=1, help="hidden×hidden layers")
-    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=4, help="rows (mlp) or sequences")
+    parser.add_argument("--model", choices=("mlp", "transformer"), default="mlp")
+    parser.add_argument("--seq", type=int, default=16, help="transformer: tokens per sequence")
+    parser.add_argument("--layers", type=int, default=4, help="transformer layers")
+    parser.add_argument("--d-model", type=int, default=512)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--ff", type=int, default=2048)
+    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--bucket-numel", type=int, default=None, help="OnebitAdam's buckets")
     parser.add_argument("--warmup", type=int, default=3, help="freeze step of the compressed")
     parser.add_argument("--settle", type=int, default=6, help="untimed steps after warmup")
     parser.add_argument("--measure", type=int, default=16)

@@ -180,3 +180,19 @@ def test_several_buckets_give_the_same_result_as_one():
     assert len(opt_b.flat_states) > 3 and len(opt_a.flat_states) == 1
     for p, q in zip(a.parameters(), b.parameters(), strict=True):
         assert torch.equal(p, q)
+
+
+def test_bucket_numel_argument_sets_the_layout_and_is_checked():
+    a, b = make_model(9), make_model(9)
+    opt_a = OnebitAdam(groups_of(a, GROUPS), freeze_step=6)
+    opt_b = OnebitAdam(groups_of(b, GROUPS), freeze_step=6)
+    opt_a._bucket_numel = 20
+    opt_b_arg = OnebitAdam(groups_of(b, GROUPS), freeze_step=6, bucket_numel=20)
+    del opt_b
+    assert [s.bucket.numel for s in opt_a.flat_states] == [
+        s.bucket.numel for s in opt_b_arg.flat_states
+    ]
+    with pytest.raises(ValueError, match=r"Invalid bucket_numel: 0 \(must be >= 1\)"):
+        OnebitAdam(a.parameters(), bucket_numel=0)
+    with pytest.raises(TypeError, match="bucket_numel must be an int, got float"):
+        OnebitAdam(a.parameters(), bucket_numel=1e6)

@@ -1,0 +1,243 @@
+r"""One thread per optimizer that runs a step's collectives in a fixed order, beside backward.
+
+``overlap=True`` (:mod:`commopt.optim.overlap`) hands each optimizer bucket's exchange to this
+thread as soon as the bucket's last gradient has been folded, and backward goes on on the main
+thread. The thread is the only place the step's collectives run until ``step()`` has drained
+it, so the order of collectives on one rank is the order of the thread's *tickets*, and that
+order must be the same on every rank (gloo and MPI pair collectives by their position in each
+rank's sequence).
+
+Tickets. The main thread reserves a contiguous run of tickets per backward pass (one per
+optimizer bucket, numbered by the bucket's position in the exchange order) and fills each with
+a job (:meth:`CommThread.submit`) or a no-op (:meth:`CommThread.skip`). The thread runs them
+strictly in ticket order: the job of ticket k+1 waits for ticket k even when it was submitted
+first. Which tickets get jobs is decided by which buckets complete during backward; that is
+the same on every rank when every rank produces gradients for the same parameters (the
+documented condition of ``overlap=True``), so every rank issues the same collectives in the
+same order whatever the timing.
+
+Errors. A job that raises (a :class:`~commopt.faults.CollectiveError`, say) poisons the
+thread: the jobs after it are cancelled, not run, and the error is raised on the main thread by
+the next :meth:`~CommThread.wait` or :meth:`~CommThread.wait_all` (``step()`` calls it first
+thing), and cleared by :meth:`~CommThread.wait_all`. It is never lost and never leaves the
+main thread waiting: a cancelled job still runs its ``cancel`` callback, which completes any
+future someone waits on.
+
+CUDA. On a CUDA device a job runs on a side stream of its own: at submission the main thread
+records an event on the current stream (the fold's kernels are queued there), the side stream
+waits for it before the exchange, and records a second event after it; :meth:`wait_all` makes
+the current stream wait for that event, so the optimizer's update is queued after the
+exchange without blocking the host. CPU jobs never touch ``torch.cuda``.
+
+Lifetime. The thread is a daemon, started at the first submission, and stopped by
+:meth:`close` (called by the optimizer's finalizer, at the latest at interpreter exit), which
+joins it: a thread left inside a collective while the interpreter tears down is what aborts a
+process at exit (``tests/multirank/test_clean_exit.py``). Between steps it is idle: ``step()``
+has drained it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+__all__ = ["CommThread"]
+
+#: how long :meth:`CommThread.close` waits for a job in flight before leaving the daemon be
+_JOIN_SECONDS = 30.0
+
+
+class _Job:
+    __slots__ = ("cancel", "device", "done_event", "fn", "ready_event")
+
+    def __init__(
+        self,
+        fn: Callable[[], None] | None,
+        cancel: Callable[[BaseException], None] | None,
+        device: torch.device | None,
+    ) -> None:
+        self.fn = fn  # None: a no-op ticket
+        self.cancel = cancel
+        self.device = device
+        self.ready_event: Any = None  # CUDA: recorded on the submitting stream
+        self.done_event: Any = None  # CUDA: recorded on the side stream after the job
+
+
+class CommThread:
+    """Runs submitted jobs one at a time in ticket order on a daemon thread (module docstring).
+
+    Args:
+        name: the thread's name (shows in stack dumps).
+        cuda: the module providing ``Stream``, ``Event``, ``stream`` and ``current_stream``
+            (default ``torch.cuda``; tests pass a fake).
+    """
+
+    def __init__(self, name: str = "commopt-comm", cuda: Any = None) -> None:
+        self.name = name
+        self._cuda = torch.cuda if cuda is None else cuda
+        self._cond = threading.Condition()
+        self._jobs: dict[int, _Job] = {}  # ticket → job, submitted and not yet run
+        self._next = 0  # the next ticket the thread runs
+        self._reserved = 0  # tickets [0, _reserved) have been handed out
+        self._error: BaseException | None = None  # the first job error since the last wait_all
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self._streams: dict[torch.device, Any] = {}  # device → side stream (CUDA only)
+        self._done_events: list[Any] = []  # CUDA events wait_all makes the current stream wait
+        #: seconds the thread has spent running jobs (for profiles: compare with the step time)
+        self.busy_seconds = 0.0
+
+    # -- the main thread's side -----------------------------------------------------------------
+    def reserve(self, count: int) -> int:
+        """Hand out ``count`` consecutive tickets; returns the first."""
+        with self._cond:
+            first = self._reserved
+            self._reserved += count
+            return first
+
+    def submit(
+        self,
+        ticket: int,
+        fn: Callable[[], None],
+        cancel: Callable[[BaseException], None] | None = None,
+        device: torch.device | None = None,
+    ) -> None:
+        """Run ``fn()`` as ticket ``ticket`` once every earlier ticket has run (or ``cancel(err)``
+        instead if an earlier job failed with ``err``). ``device``: the tensors' device; a CUDA
+        device runs ``fn`` on a side stream after the work queued so far on the current one."""
+        job = _Job(fn, cancel, device)
+        if device is not None and device.type == "cuda":
+            job.ready_event = self._cuda.Event()
+            job.ready_event.record(self._cuda.current_stream(device))
+            job.done_event = self._cuda.Event()
+        self._put(ticket, job)
+
+    def skip(self, ticket: int) -> None:
+        """Ticket ``ticket`` runs nothing (its bucket was not completed during backward)."""
+        self._put(ticket, _Job(None, None, None))
+
+    def _put(self, ticket: int, job: _Job) -> None:
+        with self._cond:
+            if not self._next <= ticket < self._reserved or ticket in self._jobs:
+                raise RuntimeError(
+                    f"CommThread: ticket {ticket} is not open (next {self._next}, reserved "
+                    f"up to {self._reserved})"
+                )
+            self._jobs[ticket] = job
+            if job.done_event is not None:
+                self._done_events.append((job.device, job.done_event))
+            if self._thread is None and job.fn is not None:
+                self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+        if self._thread is None:  # only no-ops so far: run them here, nothing to wait for
+            self._advance_no_ops()
+
+    def _advance_no_ops(self) -> None:
+        with self._cond:
+            while self._next in self._jobs and self._jobs[self._next].fn is None:
+                del self._jobs[self._next]
+                self._next += 1
+            self._cond.notify_all()
+
+    def wait(self, ticket: int) -> None:
+        """Block until ticket ``ticket`` has run; raise the error of a failed job, if any."""
+        with self._cond:
+            while self._next <= ticket and self._error is None:
+                self._cond.wait()
+            if self._error is not None:
+                raise self._error
+
+    def wait_all(self) -> None:
+        """Block until every reserved ticket has run, every one of them having been submitted
+        or skipped; then make the current CUDA stream wait for the side-stream work. Raises
+        (and clears) the error of a job that failed since the last call, after the jobs behind
+        it were cancelled."""
+        with self._cond:
+            while self._next < self._reserved:
+                open_tickets = [t for t in range(self._next, self._reserved) if t not in self._jobs]
+                if open_tickets:
+                    raise RuntimeError(
+                        f"CommThread.wait_all: tickets {open_tickets} were never submitted or "
+                        "skipped"
+                    )
+                self._cond.wait()
+            error, self._error = self._error, None
+            events, self._done_events = self._done_events, []
+        for device, event in events:  # the optimizer's update is queued after the exchange
+            self._cuda.current_stream(device).wait_event(event)
+        if error is not None:
+            raise error
+
+    def settle(self) -> None:
+        """Block until the thread has run every job it can run now: it stops at the first
+        ticket not yet submitted or skipped (never waits for one), or at a failed job."""
+        with self._cond:
+            while self._next in self._jobs and self._error is None:
+                self._cond.wait()
+
+    @property
+    def idle(self) -> bool:
+        """No ticket is waiting to run."""
+        with self._cond:
+            return self._next == self._reserved
+
+    def close(self) -> None:
+        """Stop the thread (after the job in flight, if any) and join it. Idempotent."""
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(_JOIN_SECONDS)
+
+    # -- the thread's side ----------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stop and self._next not in self._jobs:
+                    self._cond.wait()
+                if self._next not in self._jobs:  # stopped, nothing left to run
+                    return
+                job = self._jobs[self._next]  # stays listed until it has run
+                error = self._error
+            if job.fn is not None:
+                if error is not None:
+                    if job.cancel is not None:
+                        job.cancel(error)
+                else:
+                    start = time.perf_counter()
+                    try:
+                        self._execute(job)
+                    except BaseException as err:  # surfaced by wait()/wait_all() on the main thread
+                        if job.cancel is not None:
+                            job.cancel(err)
+                        with self._cond:
+                            if self._error is None:
+                                self._error = err
+                    self.busy_seconds += time.perf_counter() - start
+            job = error = None  # hold nothing of the optimizer's while idle
+            with self._cond:
+                del self._jobs[self._next]
+                self._next += 1
+                self._cond.notify_all()
+
+    def _execute(self, job: _Job) -> None:
+        fn = job.fn
+        if fn is None:  # pragma: no cover - _run never passes a no-op
+            return
+        if job.ready_event is None:
+            fn()
+            return
+        cuda, device = self._cuda, job.device
+        side = self._streams.get(device)
+        if side is None:
+            side = self._streams[device] = cuda.Stream(device)
+        side.wait_event(job.ready_event)
+        with cuda.stream(side):
+            fn()
+        job.done_event.record(side)
