@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from commopt import pipelined
 from commopt.comm import Backend, resolve_backend
 from commopt.kernels import Kernels, get_kernels
 
@@ -85,6 +86,7 @@ def compressed_allreduce(
     backend: Backend | None = None,
     *,
     out: torch.Tensor | None = None,
+    pipeline: int | None = None,
 ) -> torch.Tensor:
     r"""Average ``tensor`` over all ranks, sending one bit per element each way.
 
@@ -110,6 +112,10 @@ def compressed_allreduce(
         server_error: f, fp32, N // n elements; updated in place.
         backend: where to communicate; ``None`` resolves as in :func:`commopt.comm.resolve_backend`.
         out: where to write y (may be ``tensor`` itself); a new tensor if ``None``.
+        pipeline: run steps 4–9 in this many stages, so that packing, averaging and unpacking
+            overlap the transfers (:mod:`commopt.pipelined`; same bytes, same result bit for
+            bit). ``None`` (default) chooses from the size: no stages below 8M elements, up to
+            8 for large buffers; ``1`` never pipelines. Every rank must pass the same value.
 
     Returns:
         y, with the shape and dtype of ``tensor``.
@@ -119,7 +125,9 @@ def compressed_allreduce(
         ValueError: error buffers of the wrong size or device, or ranks passing different L.
         TypeError: non-float tensor or non-fp32 error buffers.
     """
-    return compressed_allreduce_and_scale(tensor, worker_error, server_error, backend, out=out)[0]
+    return compressed_allreduce_and_scale(
+        tensor, worker_error, server_error, backend, out=out, pipeline=pipeline
+    )[0]
 
 
 def compressed_allreduce_and_scale(
@@ -129,6 +137,7 @@ def compressed_allreduce_and_scale(
     backend: Backend | None = None,
     *,
     out: torch.Tensor | None = None,
+    pipeline: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`compressed_allreduce`, also returning this rank's worker scale s_r (a 1-element
     fp32 tensor; ``None`` when nothing was compressed: one rank, or no elements).
@@ -146,6 +155,8 @@ def compressed_allreduce_and_scale(
     _check_error_buffer(
         "server_error", server_error, padded // n, tensor, f"padded_size({numel}, {n}) // {n}"
     )
+    if pipeline is not None and (isinstance(pipeline, bool) or pipeline < 1):
+        raise ValueError(f"pipeline must be a stage count >= 1 or None, got {pipeline!r}")
     if out is None:
         out = torch.empty_like(tensor)
     elif out.shape != tensor.shape or out.dtype != tensor.dtype:
@@ -169,14 +180,20 @@ def compressed_allreduce_and_scale(
     if padded == 0:
         return out, None
 
-    # 4. e ← c − s·sgn(c); signs packed MSB first, chunk j for rank j.
-    bits = torch.empty(padded // 8, dtype=torch.uint8, device=x.device)
-    kernels.pack_compensated_(x, s, worker_error, bits)
-
-    # 5–8. the servers' round; 9. y = concat_j t_j·sgn(chunk_j)[:L].
-    all_bits, server_scales = _server_round(be, kernels, bits, worker_scales, server_error)
     y = out.view(-1) if out.dtype == torch.float32 and out.is_contiguous() else torch.empty_like(x)
-    kernels.unpack_scaled_(all_bits, server_scales, y)
+    stages = pipelined.auto_stages(padded, n) if pipeline is None else pipeline
+    if stages > 1:
+        # 4–9 in stages, transfers overlapping the per-element work (commopt.pipelined).
+        pipelined.staged_exchange(
+            be, kernels, x, s, worker_error, worker_scales, server_error, y, stages
+        )
+    else:
+        # 4. e ← c − s·sgn(c); signs packed MSB first, chunk j for rank j.
+        bits = torch.empty(padded // 8, dtype=torch.uint8, device=x.device)
+        kernels.pack_compensated_(x, s, worker_error, bits)
+        # 5–8. the servers' round; 9. y = concat_j t_j·sgn(chunk_j)[:L].
+        all_bits, server_scales = _server_round(be, kernels, bits, worker_scales, server_error)
+        kernels.unpack_scaled_(all_bits, server_scales, y)
     if y.data_ptr() != out.data_ptr():
         out.copy_(y.view(out.shape))
     return out, s

@@ -12,6 +12,11 @@ A kernel set implements four functions (SPEC §1; N padded length, M = N/n the s
   bits = pack(c_s ≥ 0); f ← c_s − t·sgn(c_s).
 - ``unpack_scaled_(bits[n, M/8], scales[n], out)``: out = concat_j t_j·sgn(bits_j)[:L].
 
+Optionally, ``server_stages(f) -> ServerStages``: ``server_reduce_`` cut into stages over
+ranges of the chunk (average each range as its bits arrive, then t over the whole chunk, then
+pack each range), bit-identical to one ``server_reduce_`` call. The pipelined allreduce
+(:mod:`commopt.pipelined`) needs it; a kernel set without it is run unpipelined.
+
 Every elementwise result is one correctly rounded fp32 operation, so implementations agree bit
 for bit; only the two norms may differ by reduction order.
 
@@ -40,6 +45,7 @@ from commopt.kernels.torch_kernels import TorchKernels
 
 __all__ = [
     "Kernels",
+    "ServerStages",
     "SlowKernelsWarning",
     "TorchKernels",
     "available_kernels",
@@ -96,6 +102,23 @@ class Kernels(Protocol):
     def unpack_scaled_(
         self, bits: torch.Tensor, scales: torch.Tensor, out: torch.Tensor
     ) -> None: ...
+
+
+class ServerStages(Protocol):
+    """One server chunk f (M elements) reduced in stages; see :class:`Kernels`.
+
+    Call ``average_`` once for every range of f (any order, each range starting at a multiple
+    of ``align``), then ``scale()``, then ``pack_`` over ranges; the result (f, bits, t) equals
+    ``server_reduce_`` on the whole chunk bit for bit.
+    """
+
+    align: int
+
+    def average_(self, recv_bits: torch.Tensor, scales: torch.Tensor, lo: int) -> None: ...
+
+    def scale(self) -> torch.Tensor: ...
+
+    def pack_(self, t: torch.Tensor, lo: int, bits: torch.Tensor) -> None: ...
 
 
 _override: Kernels | None = None

@@ -30,12 +30,16 @@ processes already, so the loops are single-threaded (``parallel=False``).
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import numba
 import numpy as np
 import torch
 
 from commopt.kernels.torch_kernels import TorchKernels
+
+if TYPE_CHECKING:
+    from commopt.kernels import ServerStages
 
 __all__ = ["NumbaKernels"]
 
@@ -186,19 +190,21 @@ def _pack_compensated(x, s, e, bits):  # pragma: no cover - compiled
 
 
 @_jit
-def _server_average(recv, scales, f):  # pragma: no cover - compiled
-    """f ← c_s = (Σ_i ±s_i in rank order)/n + f, block by block; returns Σ c_s² (fp64).
+def _server_average(recv, scales, f, block_sums):  # pragma: no cover - compiled
+    """f ← c_s = (Σ_i ±s_i in rank order)/n + f, block by block; block_sums[b] = Σ c_s² over
+    block b (fp64).
 
     Per block: for each worker row i, spread its bytes to flags and add ±s_i into an
     L1-resident accumulator (rank order, one fp32 add each); then one fp32 division by n and
-    one fp32 add of f. The n·(N/n) unpacked values never exist.
+    one fp32 add of f. The n·(N/n) unpacked values never exist. The per-block sums are added
+    up by :func:`_ordered_sum`, so a chunk averaged in several calls (the pipelined allreduce,
+    at block boundaries) gets the same total as in one call.
     """
     n, chunk_bytes = recv.shape
     acc = np.empty(_BLOCK, dtype=np.float32)
     flags = np.empty(_BLOCK, dtype=np.uint8)
     flags64 = flags.view(np.uint64)
     n32 = np.float32(n)
-    total = 0.0
     for b0 in range(0, chunk_bytes, _BLOCK // 8):
         b1 = min(chunk_bytes, b0 + _BLOCK // 8)
         m = 8 * (b1 - b0)
@@ -218,7 +224,15 @@ def _server_average(recv, scales, f):  # pragma: no cover - compiled
         fb = f[8 * b0 : 8 * b1]
         for j in range(m):
             fb[j] = a[j] / n32 + fb[j]
-        total += _sum_squares(fb)
+        block_sums[b0 // (_BLOCK // 8)] = _sum_squares(fb)
+
+
+@_jit
+def _ordered_sum(a):  # pragma: no cover - compiled
+    """(((0 + a₀) + a₁) + …) in fp64, strictly in order (no reassociation allowed here)."""
+    total = 0.0
+    for i in range(a.size):
+        total += a[i]
     return total
 
 
@@ -251,6 +265,49 @@ def _unpack(bits, scales, out):  # pragma: no cover - compiled
             fl = flags[: ob.size]
             for j in range(ob.size):
                 ob[j] = plus if fl[j] != 0 else minus
+
+
+class _NumbaServerStages:
+    """Steps 6–7 of one server chunk f in stages; equal to one ``server_reduce_`` bit for bit.
+
+    ``average_`` keeps each 4096-element block's Σ c_s² (the same compiled loop as
+    ``server_reduce_``), so ``scale`` adds the same numbers in the same order.
+    """
+
+    align = _BLOCK
+
+    def __init__(self, server_error: torch.Tensor, reference: TorchKernels) -> None:
+        self.f = server_error
+        self._block_sums = np.full(-(-server_error.numel() // _BLOCK), np.nan, dtype=np.float64)
+        self._fallback = None
+        if not (_plain(server_error) and server_error.dtype == torch.float32):
+            self._fallback = reference.server_stages(server_error)
+
+    def average_(self, recv_bits: torch.Tensor, scales: torch.Tensor, lo: int) -> None:
+        """f[lo : lo + 8·recv_bits.shape[1]] ← c_s from the workers' signs for that range."""
+        if self._fallback is not None:
+            return self._fallback.average_(recv_bits, scales, lo)
+        if lo % _BLOCK:
+            raise ValueError(f"server stage starts at {lo}, not a multiple of {_BLOCK}")
+        hi = lo + 8 * recv_bits.shape[1]
+        _server_average(
+            _np(recv_bits), _np(scales), _np(self.f)[lo:hi], self._block_sums[lo // _BLOCK :]
+        )
+        return None
+
+    def scale(self) -> torch.Tensor:
+        """t = ‖c_s‖₂/√M once every element of f has been averaged."""
+        if self._fallback is not None:
+            return self._fallback.scale()
+        return _rms(_ordered_sum(self._block_sums), self.f.numel())
+
+    def pack_(self, t: torch.Tensor, lo: int, bits: torch.Tensor) -> None:
+        """bits = pack(c_s ≥ 0) and f ← c_s − t·sgn(c_s) on f[lo : lo + 8·bits.numel()]."""
+        if self._fallback is not None:
+            return self._fallback.pack_(t, lo, bits)
+        f = _np(self.f)[lo : lo + 8 * bits.numel()]
+        _pack_update(f, t.numpy()[0], f, _np(bits), True)
+        return None
 
 
 def _rms(sum_squares: float, numel: int) -> torch.Tensor:
@@ -350,10 +407,16 @@ class NumbaKernels:
         ):
             return self._reference.server_reduce_(recv_bits, scales, server_error, bits)
         f = _np(server_error)
-        sum_squares = _server_average(_np(recv_bits), _np(scales), f)
-        t = _rms(sum_squares, f.size)
+        block_sums = np.empty(-(-f.size // _BLOCK), dtype=np.float64)
+        _server_average(_np(recv_bits), _np(scales), f, block_sums)
+        t = _rms(_ordered_sum(block_sums), f.size)
         _pack_update(f, t.numpy()[0], f, _np(bits), True)  # f holds c_s: in place
         return t
+
+    def server_stages(self, server_error: torch.Tensor) -> ServerStages:
+        """:meth:`server_reduce_` in pieces, for the pipelined allreduce (see
+        :class:`commopt.kernels.ServerStages`); stage boundaries must be multiples of 4096."""
+        return _NumbaServerStages(server_error, self._reference)
 
     def unpack_scaled_(self, bits: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> None:
         r"""Step 9: out = concat_j t_j·sgn(bits_j), first out.numel() elements."""

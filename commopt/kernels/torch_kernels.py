@@ -111,6 +111,10 @@ class TorchKernels:
         torch.sub(c_s, _signed_scale(pos, t, term), out=server_error)
         return t
 
+    def server_stages(self, server_error: torch.Tensor) -> _TorchServerStages:
+        """:meth:`server_reduce_` in pieces (see :class:`commopt.kernels.ServerStages`)."""
+        return _TorchServerStages(server_error)
+
     def unpack_scaled_(self, bits: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> None:
         """Step 9: out = concat_j t_j·sgn(bits_j), first out.numel() elements."""
         n, chunk_bytes = bits.shape
@@ -123,3 +127,31 @@ class TorchKernels:
             hi = min(n_true, lo + chunk)
             pos = _unpack_signs(bits[j])[: hi - lo]
             _signed_scale(pos, scales[j], out[lo:hi])
+
+
+class _TorchServerStages:
+    """:meth:`TorchKernels.server_reduce_` in stages, with the same operations per element and
+    the same norm (one ``_rms`` over the whole chunk once it holds c_s)."""
+
+    align = 8
+
+    def __init__(self, server_error: torch.Tensor) -> None:
+        self.f = server_error
+
+    def average_(self, recv_bits: torch.Tensor, scales: torch.Tensor, lo: int) -> None:
+        n = recv_bits.shape[0]
+        f = self.f[lo : lo + 8 * recv_bits.shape[1]]
+        acc = torch.zeros_like(f)
+        term = torch.empty_like(f)
+        for i in range(n):
+            acc.add_(_signed_scale(_unpack_signs(recv_bits[i]), scales[i], term))
+        torch.add(acc.div_(n), f, out=f)
+
+    def scale(self) -> torch.Tensor:
+        return _rms(self.f)
+
+    def pack_(self, t: torch.Tensor, lo: int, bits: torch.Tensor) -> None:
+        c_s = self.f[lo : lo + 8 * bits.numel()]
+        pos = c_s.ge(0)
+        _pack_signs(pos, bits)
+        c_s.sub_(_signed_scale(pos, t, torch.empty_like(c_s)))

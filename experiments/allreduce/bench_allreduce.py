@@ -4,7 +4,10 @@ For one buffer of ``--numel`` fp32 elements (default 16M = 64 MB) on every rank,
 same process group, interleaved round by round so that machine noise hits every method alike:
 
 - ``compressed``: ``commopt.compressed_allreduce`` (SPEC §1, persistent error buffers) with
-  the device's default per-element kernels (numba on CPU when installed);
+  the device's default per-element kernels (numba on CPU when installed), unpipelined
+  (``pipeline=1``);
+- ``pipelined``: the same call in stages (``commopt.pipelined``; ``--stages``, default the
+  library's choice for the size), its own error buffers;
 - ``compressed_torch``: the same call forced onto the reference ``TorchKernels`` (its own error
   buffers), to compare kernel implementations in the same run;
 - ``fp32``: dense ``torch.distributed.all_reduce`` of the fp32 buffer (gloo ring on CPU);
@@ -21,7 +24,9 @@ Launch it like training (``commopt.init()`` reads either environment)::
     mpiexec -n 4 python experiments/allreduce/bench_allreduce.py
     bash experiments/allreduce/netlab.sh 1gbit         # as root: 4 hosts on an emulated link
 
-``--methods`` picks a subset of ``compressed,compressed_torch,fp32,fp16`` (default: all).
+``--methods`` picks a subset of ``compressed,pipelined,compressed_torch,fp32,fp16`` (default:
+all). ``--profile`` also times the phases of the unpipelined call (SPEC §1 steps; each phase
+bracketed by barriers, slowest rank, median) and prints where the time goes.
 """
 
 from __future__ import annotations
@@ -42,12 +47,14 @@ import torch
 import torch.distributed as dist
 
 import commopt
-from commopt.compressed import compression_bytes
+from commopt.compressed import _agree, compression_bytes
 from commopt.kernels import TorchKernels, get_kernels, use_kernels
+from commopt.pipelined import auto_stages, stage_ranges
 
 __all__ = ["main"]
 
-_METHODS = ["compressed", "compressed_torch", "fp32", "fp16"]
+_METHODS = ["compressed", "pipelined", "compressed_torch", "fp32", "fp16"]
+_COMPRESSED = ("compressed", "pipelined", "compressed_torch")
 # How loaded the machine is right now: a copy of the buffer on every rank at once (no
 # communication). On an idle machine of this kind one 64 MB copy takes about 7 ms.
 _YARDSTICK = "memcpy (no comm)"
@@ -96,6 +103,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--methods", default=",".join(_METHODS), help=f"subset of {_METHODS}")
     parser.add_argument("--label", default="", help="free text printed with the results")
     parser.add_argument("--json", default="", help="also write the results here (rank 0)")
+    parser.add_argument(
+        "--stages", type=int, default=None, help="stages of 'pipelined' (default: automatic)"
+    )
+    parser.add_argument(
+        "--extra-stages",
+        default="",
+        help="comma-separated stage counts, each timed as one more method 'pipelined-K'",
+    )
+    parser.add_argument("--profile", action="store_true", help="time the phases as well")
     args = parser.parse_args(argv)
     chosen = [m.strip() for m in args.methods.split(",") if m.strip()]
     bad = [m for m in chosen if m not in _METHODS]
@@ -112,17 +128,24 @@ def main(argv: list[str] | None = None) -> int:
     gen = torch.Generator().manual_seed(1234 + rank)
     x = torch.randn(args.numel, generator=gen)
     padded = commopt.padded_size(args.numel, n)
-    errors = {m: (torch.zeros(padded), torch.zeros(padded // n)) for m in _METHODS[:2]}
+    errors = {m: (torch.zeros(padded), torch.zeros(padded // n)) for m in _COMPRESSED}
     out = torch.empty_like(x)
     dense = torch.empty_like(x)
     reference = TorchKernels()
 
     def compressed() -> None:
-        commopt.compressed_allreduce(x, *errors["compressed"], backend, out=out)
+        commopt.compressed_allreduce(x, *errors["compressed"], backend, out=out, pipeline=1)
+
+    def pipelined() -> None:
+        commopt.compressed_allreduce(
+            x, *errors["pipelined"], backend, out=out, pipeline=args.stages
+        )
 
     def compressed_torch() -> None:
         with use_kernels(reference):
-            commopt.compressed_allreduce(x, *errors["compressed_torch"], backend, out=out)
+            commopt.compressed_allreduce(
+                x, *errors["compressed_torch"], backend, out=out, pipeline=1
+            )
 
     def fp32() -> None:
         dense.copy_(x)
@@ -136,7 +159,17 @@ def main(argv: list[str] | None = None) -> int:
     def memcpy() -> None:
         out.copy_(x)
 
-    methods = {"compressed": compressed, "compressed_torch": compressed_torch}
+    methods = {"compressed": compressed, "pipelined": pipelined}
+    for k in [int(v) for v in args.extra_stages.split(",") if v.strip()]:
+        name = f"pipelined-{k}"
+        errors[name] = (torch.zeros(padded), torch.zeros(padded // n))
+        chosen.append(name)
+
+        def staged(name: str = name, k: int = k) -> None:
+            commopt.compressed_allreduce(x, *errors[name], backend, out=out, pipeline=k)
+
+        methods[name] = staged
+    methods |= {"compressed_torch": compressed_torch}
     methods |= {"fp32": fp32, "fp16": fp16, _YARDSTICK: memcpy}
     times: dict[str, list[float]] = {m: [] for m in [*chosen, _YARDSTICK]}
     cpu_times: dict[str, list[float]] = {m: [] for m in times}
@@ -147,11 +180,57 @@ def main(argv: list[str] | None = None) -> int:
                 times[m].append(wall)
                 cpu_times[m].append(cpu)
 
+    phases = _profile(x, backend, args.reps) if args.profile else {}
     if rank == 0:
         _report(args, times, cpu_times, backend, get_kernels(x.device).name)
+        stages = args.stages or auto_stages(padded, n)
+        print(f"'pipelined' ran {len(stage_ranges(padded // n, stages))} stages")
+        if phases:
+            _report_phases(phases, med_total=statistics.median(times.get("compressed", [0.0])))
     dist.barrier()
     dist.destroy_process_group()
     return 0
+
+
+def _profile(x: torch.Tensor, backend: commopt.Backend, reps: int) -> dict[str, float]:
+    """Median wall time of each phase of an unpipelined call (SPEC §1 steps), slowest rank;
+    every phase is bracketed by barriers, so the phases add up to more than one call."""
+    n = backend.world_size
+    padded = commopt.padded_size(x.numel(), n)
+    e, f = torch.zeros(padded), torch.zeros(padded // n)
+    kernels = get_kernels(x.device)
+    y = torch.empty_like(x)
+    bits = torch.empty(padded // 8, dtype=torch.uint8)
+    recv = torch.empty(n, padded // (8 * n), dtype=torch.uint8)
+    sbits = torch.empty(padded // (8 * n), dtype=torch.uint8)
+    scales = torch.empty(n)
+    st: dict[str, torch.Tensor] = {}
+    phases: list[tuple[str, Callable[[], object]]] = [
+        ("1-2 scale (kernel)", lambda: st.update(s=kernels.scale(x, e))),
+        ("3 agree (all-gather s, L)", lambda: st.update(ws=_agree(backend, st["s"], x.numel()))),
+        ("4 pack (kernel)", lambda: kernels.pack_compensated_(x, st["s"], e, bits)),
+        ("5 all-to-all signs", lambda: backend.all_to_all(recv, bits.view(n, -1))),
+        (
+            "6-7 server (kernel)",
+            lambda: st.update(t=kernels.server_reduce_(recv, st["ws"], f, sbits)),
+        ),
+        ("8 all-gather signs", lambda: backend.all_gather(recv, sbits)),
+        ("8 all-gather scales", lambda: backend.all_gather(scales, st["t"].reshape(1))),
+        ("9 unpack (kernel)", lambda: kernels.unpack_scaled_(recv, scales, y)),
+    ]
+    samples: dict[str, list[float]] = {name: [] for name, _ in phases}
+    for _ in range(reps + 1):
+        for name, fn in phases:
+            samples[name].append(_timed(fn)[0])
+    return {k: statistics.median(v[1:]) for k, v in samples.items()}
+
+
+def _report_phases(phases: dict[str, float], med_total: float) -> None:
+    total = sum(phases.values())
+    print(f"phases of one unpipelined call (each between barriers; sum {total * 1e3:.1f} ms,")
+    print(f"the call itself {med_total * 1e3:.1f} ms):")
+    for name, sec in phases.items():
+        print(f"  {name:<28} {sec * 1e3:8.1f} ms  {100 * sec / total:5.1f} %")
 
 
 def _report(
@@ -165,7 +244,9 @@ def _report(
     mb = args.numel * 4 / 1e6
     dense = 2 * (n - 1) * args.numel * 4 // n
     wire = {"fp32": dense, "fp16": dense // 2, _YARDSTICK: 0}
-    wire["compressed"] = wire["compressed_torch"] = compression_bytes(args.numel, n)
+    for c in times:
+        if c in _COMPRESSED or c.startswith("pipelined-"):
+            wire[c] = compression_bytes(args.numel, n)
     med = {m: statistics.median(v) for m, v in times.items()}
     now = datetime.datetime.now(datetime.timezone.utc)
     print(f"bench_allreduce {now:%Y-%m-%d %H:%M} UTC {args.label}".rstrip())
@@ -195,7 +276,9 @@ def _report(
         "CPU ms/rank: median over rounds of the mean over ranks of process CPU time per call "
         "(excludes time slices taken by other jobs)"
     )
-    for c in ("compressed", "compressed_torch"):
+    if "compressed" in med and "pipelined" in med:
+        print(f"speed-up of pipelined over compressed: {med['compressed'] / med['pipelined']:.2f}x")
+    for c in [m for m in times if m in _COMPRESSED or m.startswith("pipelined-")]:
         for m in ("fp32", "fp16"):
             if c in med and m in med:
                 print(f"speed-up of {c} over dense {m}: {med[m] / med[c]:.2f}x")
