@@ -53,6 +53,14 @@ def _completed(value: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
     return fut
 
 
+def _start(backend: Backend, op: str, *args: object) -> torch.futures.Future[torch.Tensor]:
+    """``backend.<op>_async(*args)`` when the backend has it, else the blocking ``op``."""
+    start = getattr(backend, f"{op}_async", None)
+    if start is not None:
+        return start(*args)
+    return _completed(getattr(backend, op)(*args))
+
+
 def all_reduce_async(
     backend: Backend, t: torch.Tensor, op: ReduceOp = "sum"
 ) -> torch.futures.Future[torch.Tensor]:
@@ -60,10 +68,7 @@ def all_reduce_async(
 
     ``t`` must not be read or written until the future has completed.
     """
-    start = getattr(backend, "all_reduce_async", None)
-    if start is not None:
-        return start(t, op)
-    return _completed(backend.all_reduce(t, op))
+    return _start(backend, "all_reduce", t, op)
 
 
 def all_gather_async(
@@ -73,10 +78,7 @@ def all_gather_async(
 
     Neither tensor may be touched until the future has completed.
     """
-    start = getattr(backend, "all_gather_async", None)
-    if start is not None:
-        return start(out, t)
-    return _completed(backend.all_gather(out, t))
+    return _start(backend, "all_gather", out, t)
 
 
 def all_to_all_async(
@@ -86,7 +88,4 @@ def all_to_all_async(
 
     Neither tensor may be touched until the future has completed.
     """
-    start = getattr(backend, "all_to_all_async", None)
-    if start is not None:
-        return start(out, t)
-    return _completed(backend.all_to_all(out, t))
+    return _start(backend, "all_to_all", out, t)

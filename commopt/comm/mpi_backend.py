@@ -179,8 +179,7 @@ class MpiBackend:
                 f"{op}: MPI needs contiguous tensors; pass t.contiguous() and copy the result back"
             )
 
-    # -- collectives ---------------------------------------------------------------------------
-    def all_reduce(self, t: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
+    def _check_reduction(self, t: torch.Tensor, op: ReduceOp) -> None:
         if op not in self._reduce_ops:
             raise ValueError(f"all_reduce: unknown op {op!r}; expected sum, avg, max or min")
         if op == "avg" and not (t.is_floating_point() or t.is_complex()):
@@ -189,6 +188,10 @@ class MpiBackend:
                 "use op='sum' and divide by world_size yourself"
             )
         self._check_contiguous("all_reduce", t)
+
+    # -- collectives ---------------------------------------------------------------------------
+    def all_reduce(self, t: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
+        self._check_reduction(t, op)
         host = self._to_mpi(t)
         self.stats.record("all_reduce", t.numel() * t.element_size(), self.world_size)
         if host.dtype in _HALF:
@@ -240,14 +243,7 @@ class MpiBackend:
         (for ``"avg"``: the sum, then the same division by ``world_size``)."""
         if not self._posts_directly(t) or t.dtype in _HALF:
             return _completed(self.all_reduce(t, op))
-        if op not in self._reduce_ops:
-            raise ValueError(f"all_reduce: unknown op {op!r}; expected sum, avg, max or min")
-        if op == "avg" and not (t.is_floating_point() or t.is_complex()):
-            raise ValueError(
-                f"all_reduce: op='avg' needs a floating-point tensor, got {t.dtype}; "
-                "use op='sum' and divide by world_size yourself"
-            )
-        self._check_contiguous("all_reduce", t)
+        self._check_reduction(t, op)
         self.stats.record("all_reduce", t.numel() * t.element_size(), self.world_size)
         mpi_op = self._bool_ops[op] if t.dtype == torch.bool else self._reduce_ops[op]
         self._ready(t)
@@ -259,24 +255,24 @@ class MpiBackend:
         self, out: torch.Tensor, t: torch.Tensor
     ) -> torch.futures.Future[torch.Tensor]:
         """:meth:`all_gather` as ``Iallgather``; the future completes with ``out``."""
-        if not self._posts_directly(t, out):
-            return _completed(self.all_gather(out, t))
-        check_equal_split("all_gather", out, t, self.world_size)
-        self.stats.record("all_gather", t.numel() * t.element_size(), self.world_size)
-        self._ready(t, out)
-        request = self.comm.Iallgather(_wire(t), _wire(out))
-        return self._progress.submit(request, lambda: (t, out)[1])  # keeps t alive until done
+        return self._move_async("all_gather", out, t)
 
     def all_to_all_async(
         self, out: torch.Tensor, t: torch.Tensor
     ) -> torch.futures.Future[torch.Tensor]:
         """:meth:`all_to_all` as ``Ialltoall``; the future completes with ``out``."""
+        return self._move_async("all_to_all", out, t)
+
+    def _move_async(
+        self, op: str, out: torch.Tensor, t: torch.Tensor
+    ) -> torch.futures.Future[torch.Tensor]:
         if not self._posts_directly(t, out):
-            return _completed(self.all_to_all(out, t))
-        check_equal_split("all_to_all", out, t, self.world_size)
-        self.stats.record("all_to_all", t.numel() * t.element_size(), self.world_size)
+            return _completed(getattr(self, op)(out, t))
+        check_equal_split(op, out, t, self.world_size)
+        self.stats.record(op, t.numel() * t.element_size(), self.world_size)
         self._ready(t, out)
-        request = self.comm.Ialltoall(_wire(t), _wire(out))
+        start = self.comm.Iallgather if op == "all_gather" else self.comm.Ialltoall
+        request = start(_wire(t), _wire(out))
         return self._progress.submit(request, lambda: (t, out)[1])  # keeps t alive until done
 
     def broadcast(self, t: torch.Tensor, src: int = 0) -> torch.Tensor:

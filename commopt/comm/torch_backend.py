@@ -85,19 +85,22 @@ class TorchBackend:
     ) -> torch.futures.Future[torch.Tensor]:
         """:meth:`all_gather` started in the background (``async_op=True``); the future completes
         with ``out``. See :func:`commopt.comm.all_gather_async`."""
-        check_equal_split("all_gather", out, t, self.world_size)
-        self.stats.record("all_gather", t.numel() * t.element_size(), self.world_size)
-        work = dist.all_gather_single(out.view(-1), t.reshape(-1), group=self.group, async_op=True)
-        return _completes_with(work, out)
+        return self._move_async("all_gather", out, t)
 
     def all_to_all_async(
         self, out: torch.Tensor, t: torch.Tensor
     ) -> torch.futures.Future[torch.Tensor]:
         """:meth:`all_to_all` started in the background (``async_op=True``); the future completes
         with ``out``. See :func:`commopt.comm.all_to_all_async`."""
-        check_equal_split("all_to_all", out, t, self.world_size)
-        self.stats.record("all_to_all", t.numel() * t.element_size(), self.world_size)
-        work = dist.all_to_all_single(out.view(-1), t.reshape(-1), group=self.group, async_op=True)
+        return self._move_async("all_to_all", out, t)
+
+    def _move_async(
+        self, op: str, out: torch.Tensor, t: torch.Tensor
+    ) -> torch.futures.Future[torch.Tensor]:
+        check_equal_split(op, out, t, self.world_size)
+        self.stats.record(op, t.numel() * t.element_size(), self.world_size)
+        start = dist.all_gather_single if op == "all_gather" else dist.all_to_all_single
+        work = start(out.view(-1), t.reshape(-1), group=self.group, async_op=True)
         return _completes_with(work, out)
 
     def all_gather(self, out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:

@@ -115,3 +115,23 @@ def test_script_without_shutdown_exits_zero_too(tmp_path):
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     assert proc.stdout.count("exit codes [0, 0]") == 10
+
+
+@pytest.mark.timeout(900)
+def test_overlap_script_exits_zero_with_exchanges_in_flight(tmp_path):
+    # overlap=True: the communication thread may still be exchanging the last backward's
+    # buckets when the script ends (no step() after it, no shutdown()); the optimizer's
+    # finalizer joins the thread at exit, before the process group is torn down.
+    script = README_SCRIPT.replace(
+        "freeze_step=3)", "freeze_step=3, overlap=True, bucket_numel=20)"
+    ).replace(
+        "commopt.shutdown()",
+        "loss = model(loader[0]).mean(); loss.backward()  # exchanges start; no step()\n"
+        "assert opt._hooks.thread._thread.is_alive()",
+    )
+    assert "overlap=True" in script
+    proc = _run(tmp_path, script, 10)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert proc.stdout.count("exit codes [0, 0]") == 10
+    assert "terminate called" not in out
