@@ -85,39 +85,50 @@ def test_async_collectives_equal_blocking_ones(world_size: int) -> None:
     assert all(r == results[0] for r in results)  # every rank gathered the same data
 
 
-def _gil_during_collective(backend, how: str) -> dict:
-    delay = 1.0
+ATTEMPTS = 3
+
+
+def _gil_during_collective(backend, how: str) -> list[tuple[float, int]]:
+    """Rank 1 joins each collective a second late; rank 0 returns, per attempt, how long its
+    worker thread waited and how often its main thread ran in the middle half of that wait."""
     t = torch.ones(1 << 10)
-    if backend.rank == 1:
-        time.sleep(delay)  # rank 0's collective blocks for about this long
-        if how == "blocking":
-            dist.all_reduce(t)
-        else:
-            all_to_all_async(backend, torch.empty_like(t), t).wait()
-        return {}
-    window: list[float] = []
 
     def communicate() -> None:
-        window.append(time.perf_counter())
         if how == "blocking":
             dist.all_reduce(t)
         else:
             all_to_all_async(backend, torch.empty_like(t), t).wait()
-        window.append(time.perf_counter())
 
-    worker = threading.Thread(target=communicate)
-    stamps: list[float] = []
-    worker.start()
-    while worker.is_alive():
-        stamps.append(time.perf_counter())
-    worker.join()
-    t0, t1 = window
-    middle = [s for s in stamps if t0 + 0.25 * (t1 - t0) < s < t1 - 0.25 * (t1 - t0)]
-    return {"window": t1 - t0, "middle": len(middle)}
+    tries = []
+    for _ in range(ATTEMPTS):  # the same collectives on both ranks, whatever the outcome
+        dist.barrier()  # rank 1's delay starts when rank 0 is ready
+        if backend.rank == 1:
+            time.sleep(1.0)
+            communicate()
+            continue
+        window: list[float] = []
+
+        def timed(window: list[float] = window) -> None:
+            window.append(time.perf_counter())
+            communicate()
+            window.append(time.perf_counter())
+
+        worker = threading.Thread(target=timed)
+        stamps: list[float] = []
+        worker.start()
+        while worker.is_alive():
+            stamps.append(time.perf_counter())
+        worker.join()
+        t0, t1 = window
+        middle = [s for s in stamps if t0 + 0.25 * (t1 - t0) < s < t1 - 0.25 * (t1 - t0)]
+        tries.append((t1 - t0, len(middle)))
+    return tries
 
 
 @pytest.mark.parametrize("how", ["blocking", "future"])
 def test_waiting_in_a_gloo_collective_releases_the_gil(how: str) -> None:
-    result = run_ranks(_gil_during_collective, 2, how, timeout=TIMEOUT)[0]
-    assert result["window"] > 0.5, result  # the worker did wait for rank 1
-    assert result["middle"] > 0, result  # and the main thread ran meanwhile
+    """With the GIL held during the wait the main thread could never run in its middle; the
+    retries only absorb a main thread the OS did not schedule on a loaded machine."""
+    tries = run_ranks(_gil_during_collective, 2, how, timeout=TIMEOUT)[0]
+    assert all(w > 0.5 for w, _ in tries), tries  # the worker did wait for rank 1
+    assert any(m > 0 for _, m in tries), tries  # and the main thread ran meanwhile
