@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from commopt.comm.shm_backend import SharedMemoryBackend
-from commopt.hierarchical import HierarchicalExchange, _build_level_backends
+from commopt.hierarchical import HierarchicalExchange
+from commopt.hierarchical_levels import build_level_backends
 from commopt.topology import discover_topology
 from tests.multirank.harness import RankError, run_ranks
 
@@ -59,7 +60,7 @@ def _hierarchical_levels(backend):
         "GROUP_RANK": str(backend.rank // 2),
     }
     topo = discover_topology(backend, env)
-    local, cross = _build_level_backends(backend, topo)
+    local, cross = build_level_backends(backend, topo)
     outs = []
     built = HierarchicalExchange(backend, topo, shared_memory=True)
     assert isinstance(built.local_backend, SharedMemoryBackend)
