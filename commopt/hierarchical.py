@@ -344,8 +344,8 @@ def build_exchange(
     hierarchical exchange needs equal nodes; flat is correct for any layout), and when the local
     level would be gloo over TCP loopback on some node (a gloo backend without shared memory,
     ``COMMOPT_SHARED_MEMORY=0`` or no /dev/shm, and no ``local_backend`` given): measured on 2
-    hosts × 2 ranks, that local level made the exchange 0.72–0.96× flat's speed at 1 Gbit/s,
-    the shared-memory one 1.01–1.10× (docs/performance.md). ``"auto"`` and
+    hosts × 2 ranks, that local level made the exchange 0.77–0.94× flat's speed at 1 Gbit/s,
+    the shared-memory one 0.97–1.10× (docs/performance.md). ``"auto"`` and
     ``"hierarchical"`` discover the topology collectively, so every rank must call this.
     ``kwargs`` go to :class:`HierarchicalExchange` (``topology=`` there is spelled
     ``node_topology=`` here; ``local_backend``, ``cross_backend``, ``shared_memory``, ``env``,
