@@ -11,7 +11,11 @@ be reading (the one after that reuses this half, but only past its own barrier, 
 reaches only once it has read this one): one barrier per collective, not two.
 
 Results are bit-identical to any other backend's: data are moved bytewise, and ``all_reduce``
-sums in rank order. CPU tensors only. Bytes are counted with the cost model of
+sums in rank order. :meth:`SharedMemoryBackend.reduce_scatter_mean_` is the hierarchical
+exchange's local reduce-scatter done in place: a rank writes only the rows others need and sums
+straight out of the segment. With ``fallback=True`` a message that does not fit in /dev/shm goes
+through the helper instead (one warning), so a small tmpfs slows the job rather than stopping
+it. CPU tensors only. Bytes are counted with the cost model of
 :mod:`commopt.comm.base`, as for every backend.
 """
 
@@ -20,14 +24,20 @@ from __future__ import annotations
 import os
 import tempfile
 import uuid
+import warnings
 
 import torch
 
 from commopt.comm.base import Backend, CommStats, ReduceOp, check_equal_split
 
-__all__ = ["SharedMemoryBackend"]
+__all__ = ["SharedMemoryBackend", "shared_memory_usable"]
 
 _SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
+def shared_memory_usable() -> bool:
+    """Whether this host has a writable /dev/shm (a RAM-backed tmpfs on Linux) to map."""
+    return os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK | os.X_OK)
 
 
 class SharedMemoryBackend:
@@ -36,12 +46,17 @@ class SharedMemoryBackend:
     Args:
         helper: a backend over exactly the ranks that share the segment (same rank numbers);
             used for barriers and to tell everyone the segment's name.
+        fallback: when /dev/shm has no room for a message, send it through ``helper`` (warned
+            once) instead of raising ``RuntimeError``. The node's rank 0 decides for all of
+            them, so they always take the same path.
     """
 
     name = "shm"
 
-    def __init__(self, helper: Backend) -> None:
+    def __init__(self, helper: Backend, *, fallback: bool = False) -> None:
         self.helper = helper
+        self.fallback = fallback
+        self._warned = False
         self.rank = helper.rank
         self.world_size = helper.world_size
         self.stats = CommStats()
@@ -49,9 +64,9 @@ class SharedMemoryBackend:
         self._half = 0  # which half of the segment the next collective uses
 
     # -- the segment -------------------------------------------------------------------------
-    def _slots(self, slot_bytes: int) -> torch.Tensor:
+    def _slots(self, slot_bytes: int) -> torch.Tensor | None:
         """A [world_size, slot_bytes] view of the next half of the segment, which is grown
-        (collectively) when needed."""
+        (collectively) when needed; ``None`` (with ``fallback``) when /dev/shm has no room."""
         half = self.world_size * slot_bytes
         need = 2 * half
         if self._segment.numel() < need:
@@ -68,6 +83,16 @@ class SharedMemoryBackend:
                     torch.from_file(path, shared=True, size=need, dtype=torch.uint8)  # creates it
             self.helper.broadcast(name, 0)
             if not bool(name.any()):
+                if self.fallback:
+                    if not self._warned:
+                        self._warned = True
+                        warnings.warn(
+                            f"SharedMemoryBackend: {_SHM_DIR} has less than the {need} bytes "
+                            "free that a message needs; such messages go through the node's "
+                            f"{type(self.helper).__name__} instead (slower; enlarge /dev/shm)",
+                            stacklevel=3,
+                        )
+                    return None
                 raise RuntimeError(
                     f"SharedMemoryBackend: {_SHM_DIR} has less than the {need} bytes free that "
                     "a segment for this message needs; enlarge it (docker run --shm-size) or "
@@ -99,6 +124,8 @@ class SharedMemoryBackend:
     def _gather(self, out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         src = self._bytes(t)
         slots = self._slots(src.numel())
+        if slots is None:
+            return self.helper.all_gather(out, t)
         slots[self.rank].copy_(src)
         self.helper.barrier()
         self._bytes(out).view(self.world_size, -1).copy_(slots)
@@ -110,12 +137,65 @@ class SharedMemoryBackend:
         src = self._bytes(t)
         n = self.world_size
         slots = self._slots(src.numel())
+        if slots is None:
+            return self.helper.all_to_all(out, t)
         slots[self.rank].copy_(src)  # row j of my input is for rank j
         self.helper.barrier()
         chunk = src.numel() // n
         mine = slots.view(n, n, chunk)[:, self.rank]  # row r of every rank's input
         self._bytes(out).view(n, chunk).copy_(mine)
         return out
+
+    def reduce_scatter_mean_(self, out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """out ← the mean over ranks of row ``rank`` of x̄, where x̄ = ``t`` zero-padded to
+        ``world_size·out.numel()`` fp32 elements viewed as [world_size, out.numel()].
+
+        The result equals an all_to_all of x̄ followed by (row 0 + row 1 + …) / world_size in
+        rank order, bit for bit; but a rank writes only the rows the others need (its own stays
+        put unless it holds padding) and sums straight out of the segment: one copy in, one
+        pass of reading, and no padded copy of ``t``. Counted as that all_to_all.
+        """
+        n, width = self.world_size, out.numel()
+        total = n * width
+        if t.dtype != torch.float32 or out.dtype != torch.float32:
+            raise TypeError("reduce_scatter_mean_ takes float32 tensors")
+        if t.numel() > total or not out.is_contiguous():
+            raise ValueError(
+                f"reduce_scatter_mean_: {t.numel()} elements do not fit {n} rows of {width}, "
+                "or out is not contiguous"
+            )
+        self._bytes(t)  # CPU and contiguous
+        self.stats.record("all_to_all", 4 * total, n)
+        slots = self._slots(4 * total)
+        src = t.reshape(-1)
+        if slots is None:  # through the helper: pad, all_to_all, sum in rank order
+            padded = torch.zeros(total)
+            padded[: src.numel()] = src
+            rows = torch.empty(n, width)
+            self.helper.all_to_all(rows, padded.view(n, width))
+        else:
+            mine = slots[self.rank].view(torch.float32)
+            numel = src.numel()
+            own_whole = (self.rank + 1) * width <= numel
+            for r in range(n):
+                if r == self.rank and own_whole:
+                    continue
+                lo, hi = r * width, min((r + 1) * width, numel)
+                if hi > lo:
+                    mine[lo:hi].copy_(src[lo:hi])
+                mine[max(lo, hi) : (r + 1) * width].zero_()
+            self.helper.barrier()
+            rows = slots.view(torch.float32).view(n, n, width)[:, self.rank]
+            if own_whole:
+                rows = [*rows]
+                rows[self.rank] = src[self.rank * width : (self.rank + 1) * width]
+        if n == 1:
+            out.copy_(rows[0])
+        else:
+            torch.add(rows[0], rows[1], out=out)
+        for r in range(2, n):
+            out.add_(rows[r])
+        return out.div_(n)
 
     def all_reduce(self, t: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
         if op not in ("sum", "avg", "max", "min"):
@@ -142,6 +222,8 @@ class SharedMemoryBackend:
         self.stats.record("broadcast", t.numel() * t.element_size(), self.world_size)
         data = self._bytes(t)
         slots = self._slots(data.numel())
+        if slots is None:
+            return self.helper.broadcast(t, src)
         if self.rank == src:
             slots[src].copy_(data)
         self.helper.barrier()

@@ -61,8 +61,10 @@ class OnebitAdam(CompressedOptimizer):
         bias_correction: divide by 1−β^t as Adam does (default True).
         backend: communication backend; ``None`` resolves as SPEC §5 (``commopt.init()``'s).
         topology: ``"flat"`` (SPEC §1 over all ranks, default), ``"hierarchical"`` (full
-            precision inside each node, 1 bit between nodes; docs/hierarchical.md) or
-            ``"auto"`` (hierarchical when there are several nodes of several ranks).
+            precision inside each node, 1 bit between nodes; on gloo the node's ranks share
+            memory, ``COMMOPT_SHARED_MEMORY=0`` to use TCP; docs/hierarchical.md) or
+            ``"auto"`` (hierarchical when there are several nodes of several ranks and a fast
+            path inside the node).
         overlap: start each bucket's communication during backward, as soon as its last
             gradient is accumulated (warmup: the full-precision average, asynchronous;
             compression: the momentum update and the compressed exchange, on staged buffers);

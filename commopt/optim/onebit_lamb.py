@@ -109,8 +109,10 @@ class OnebitLamb(CompressedOptimizer):
         factor_threshold: τ, the most f may change relative to the previous step (default 0.1).
         backend: communication backend; ``None`` resolves as SPEC §5 (``commopt.init()``'s).
         topology: ``"flat"`` (SPEC §1 over all ranks, default), ``"hierarchical"`` (full
-            precision inside each node, 1 bit between nodes; docs/hierarchical.md) or
-            ``"auto"`` (hierarchical when there are several nodes of several ranks).
+            precision inside each node, 1 bit between nodes; on gloo the node's ranks share
+            memory, ``COMMOPT_SHARED_MEMORY=0`` to use TCP; docs/hierarchical.md) or
+            ``"auto"`` (hierarchical when there are several nodes of several ranks and a fast
+            path inside the node).
         trust_ratio: ``"frozen"`` (default): the compression stage uses c̄·f as above, SPEC §3
             exactly. ``"tracking"``: every compression step recomputes LAMB's own ratio
             c_k = clip(‖p_k‖/‖u_k‖, min_coeff, max_coeff) from u = m/(√v + ε) + λp, which every

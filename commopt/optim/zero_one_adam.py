@@ -78,8 +78,10 @@ class ZeroOneAdam(CompressedOptimizer):
         local_step_clipper: the largest I_l (default 16, >= 1).
         backend: communication backend; ``None`` resolves as SPEC §5 (``commopt.init()``'s).
         topology: ``"flat"`` (SPEC §1 over all ranks, default), ``"hierarchical"`` (full
-            precision inside each node, 1 bit between nodes; docs/hierarchical.md) or
-            ``"auto"`` (hierarchical when there are several nodes of several ranks).
+            precision inside each node, 1 bit between nodes; on gloo the node's ranks share
+            memory, ``COMMOPT_SHARED_MEMORY=0`` to use TCP; docs/hierarchical.md) or
+            ``"auto"`` (hierarchical when there are several nodes of several ranks and a fast
+            path inside the node).
 
     Tuning: ``var_update_scaler`` trades variance freshness for communication (each variance
     step is a full-precision allreduce). ``var_freeze_step`` plays the role of 1-bit Adam's

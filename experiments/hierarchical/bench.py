@@ -47,7 +47,8 @@ from commopt.comm import Backend, MpiBackend
 from commopt.comm.shm_backend import SharedMemoryBackend
 from commopt.compressed import compression_bytes
 from commopt.exchange import FlatExchange
-from commopt.hierarchical import HierarchicalExchange, _build_level_backends
+from commopt.hierarchical import HierarchicalExchange
+from commopt.hierarchical_levels import build_level_backends
 from commopt.topology import discover_topology
 
 __all__ = ["main"]
@@ -100,11 +101,11 @@ def main(argv: list[str] | None = None) -> int:
             f"(from {topo.source})",
             flush=True,
         )
-    levels = {"torch": _build_level_backends(tb, topo)}
+    levels = {"torch": build_level_backends(tb, topo)}
     # Shared memory inside the node, the node's gloo group for barriers (never across).
     levels["shm"] = (SharedMemoryBackend(levels["torch"][0]), levels["torch"][1])
     if mb is not None:
-        levels["mpi"] = _build_level_backends(mb, topo)
+        levels["mpi"] = build_level_backends(mb, topo)
     glob = {"torch": tb, "mpi": mb}
 
     gen = torch.Generator().manual_seed(1234 + rank)

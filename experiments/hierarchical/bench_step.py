@@ -2,9 +2,11 @@ r"""Benchmark (not a test): 1-bit Adam's compression-stage step, flat vs hierarc
 
 Every rank holds an MLP's parameters (io → width → width → io, weights and biases; 8,392,704
 parameters at the defaults 1024/2048) with fixed random gradients of its own. For each variant —
-``OnebitAdam(..., topology="flat")``, ``OnebitAdam(..., topology="hierarchical")`` (local level
-on the node's gloo group), ``hierarchical-shm`` (the same, local level on shared memory) and
-``torch.optim.Adam`` after one fp32 all_reduce of the gradients (what DDP sends) — the step is
+``OnebitAdam(..., topology="flat")``, ``OnebitAdam(..., topology="hierarchical")`` (as a user
+gets it: on gloo the local level is on shared memory, ``shared_memory="auto"``),
+``hierarchical-gloo`` (the same with the local level on the node's gloo group,
+``COMMOPT_SHARED_MEMORY=0``), ``auto`` (``topology="auto"``) and ``torch.optim.Adam`` after one
+fp32 all_reduce of the gradients (what DDP sends) — the step is
 run past the warmup (``freeze_step=1``), then ``--steps`` timed steps per round, variants
 interleaved round by round. Reported: the median step time (slowest rank), CPU per rank, and
 the bytes each host sent on its emulated link (eth0 counters, netlab only).
@@ -16,7 +18,6 @@ Launch: ``bash experiments/hierarchical/netlab.sh 100mbit`` runs bench.py; for t
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import statistics
 import sys
@@ -26,7 +27,6 @@ import torch
 import torch.distributed as dist
 
 import commopt
-from commopt import hierarchical
 from commopt.topology import discover_topology
 
 __all__ = ["main"]
@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--width", type=int, default=2048)
     parser.add_argument("--steps", type=int, default=3, help="timed steps per round")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--variants", default="flat,hierarchical,hierarchical-shm,adam-fp32")
+    parser.add_argument("--variants", default="flat,hierarchical,hierarchical-gloo,adam-fp32")
     parser.add_argument("--label", default="")
     args = parser.parse_args(argv)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -70,9 +70,7 @@ def main(argv: list[str] | None = None) -> int:
             p.grad = torch.randn(p.shape, generator=gen)
         if v == "adam-fp32":
             opt = torch.optim.Adam(params, lr=1e-6)
-        elif v == "hierarchical-shm":
-            # The optimizers build their exchange with build_exchange(backend, topology); this
-            # variant has it put the local level on shared memory (shared_memory=True).
+        elif v == "hierarchical-gloo":
             opt = commopt.OnebitAdam(params, lr=1e-6, freeze_step=1, topology="hierarchical")
         else:
             opt = commopt.OnebitAdam(params, lr=1e-6, freeze_step=1, topology=v)
@@ -91,14 +89,18 @@ def main(argv: list[str] | None = None) -> int:
         opt.step()
 
     for v in variants:  # past the warmup (freeze_step=1) into the compression stage
-        original = hierarchical.build_exchange
-        if v == "hierarchical-shm":  # the exchange is built on first use, in these steps
-            hierarchical.build_exchange = functools.partial(original, shared_memory=True)
+        # The exchange is built on first use, in these steps.
+        setting = os.environ.get("COMMOPT_SHARED_MEMORY")
+        if v == "hierarchical-gloo":
+            os.environ["COMMOPT_SHARED_MEMORY"] = "0"
         try:
             for _ in range(2):
                 step(v)
         finally:
-            hierarchical.build_exchange = original
+            if setting is None:
+                os.environ.pop("COMMOPT_SHARED_MEMORY", None)
+            else:
+                os.environ["COMMOPT_SHARED_MEMORY"] = setting
         exchange = getattr(setups[v][0], "_exchange", None)
         if rank == 0:
             print(f"{v}: {exchange!r}", flush=True)
@@ -137,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"| {max(times[v]) * 1e3:.1f} | {statistics.median(cpus[v]) * 1e3:.1f} "
                 f"| {statistics.median(link[v]) / 1e6:.2f} |"
             )
-        for hv in [v for v in variants if v.startswith("hierarchical")]:
+        for hv in [v for v in variants if v.startswith("hierarchical") or v == "auto"]:
             if "flat" not in times:
                 break
             f, h = statistics.median(times["flat"]), statistics.median(times[hv])

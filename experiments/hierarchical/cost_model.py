@@ -8,10 +8,11 @@ For K nodes × L ranks (n = K·L), N elements per rank, per call:
   Flat, direct exchange: W = 2·(K−1)/K · L · N/8; with gloo's ring all-gather the all-gather half
   is (n−1)/n · N/8 per node instead. Hierarchical: W = 2·(K−1)/K · N/8 (L times less).
 - m: collectives in sequence (flat 4: scales+length, signs all-to-all, server signs, server
-  scales; hierarchical 8: 2 agreement gathers, local all-to-all, the 4 of SPEC §1 across, local
-  gather), α: what one costs beyond its bytes (latency, synchronisation; on a loaded machine the
-  wait for every participant to be scheduled). For many ranks the ring steps count: flat
-  4·(n−1)·α, hierarchical (4·(K−1) + 1)·α across and 4·(L−1)·α_loc inside.
+  scales; hierarchical 6: inside the node the agreement gather, the reduce-scatter and the
+  gather of the 1-bit result, across it scales+agreement, signs all-to-all, server signs+scale),
+  α: what one costs beyond its bytes (latency, synchronisation; on a loaded machine the wait for
+  every participant to be scheduled). For many ranks the ring steps count: flat 4·(n−1)·α,
+  hierarchical 3·(K−1)·α across and 3·(L−1)·α_loc inside.
 - C: CPU (or GPU) time of the per-element work; V = (L−1)/L · 4N bytes moved by the local level.
 
 ``python experiments/hierarchical/cost_model.py [--validate run.json ...]`` prints the
@@ -65,22 +66,20 @@ def extrapolate(N=350e6, K=32, L=8, gbits=(10, 25), alpha_net=30e-6, alpha_loc=5
         t32 = dense_time(N, n, B, alpha_net)
         t16 = dense_time(N, n, B, alpha_net, 2)
         tf = flat_time(N, K, L, B, 4 * (n - 1) * alpha_net, c_flat, ring_gather=True)
-        th = hier_time(
-            N, K, L, B, (4 * (K - 1) + 1) * alpha_net + 4 * (L - 1) * alpha_loc, c_hier, B_loc
-        )
+        th = hier_time(N, K, L, B, 3 * (K - 1) * alpha_net + 3 * (L - 1) * alpha_loc, c_hier, B_loc)
         rows.append((g, K, L, t32, t16, tf, th))
     return rows
 
 
 # Collectives in sequence per call: (spanning nodes, inside a node, is the local level gloo).
 # A gloo collective inside a node goes through TCP loopback and costs what any gloo collective
-# costs (α); a shared-memory one (SharedMemoryBackend: two barriers; MPI sm) costs what a lone
+# costs (α); a shared-memory one (SharedMemoryBackend: one barrier; MPI sm) costs what a lone
 # small collective inside the node costs (tiny-local, measured in the same run).
 _SYNCS = {
     "flat-torch": (4, 0, True),
-    "hier-torch-torch": (5, 3, True),
-    "hier-shm-torch": (5, 6, False),
-    "hier-mpi-torch": (5, 3, False),
+    "hier-torch-torch": (3, 3, True),
+    "hier-shm-torch": (3, 3, False),
+    "hier-mpi-torch": (3, 3, False),
 }
 
 

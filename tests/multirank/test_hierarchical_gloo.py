@@ -16,9 +16,11 @@ import pytest
 import torch
 
 from commopt import NonFiniteError, padded_size
-from commopt.compressed import compression_bytes
+from commopt.comm.shm_backend import SharedMemoryBackend
+from commopt.compressed import compressed_allreduce_and_scale, compression_bytes
 from commopt.exchange import FlatExchange
 from commopt.hierarchical import HierarchicalExchange, build_exchange
+from commopt.kernels import get_kernels
 from commopt.topology import discover_topology
 from tests.multirank.harness import RankError, run_ranks
 
@@ -156,12 +158,77 @@ def test_matches_reference_and_is_identical_on_every_rank(placement: str) -> Non
                     recs[r]["f"][k], f_ref[r], rtol=0, atol=1e-5 * fscale, err_msg=f"{where} f{r}"
                 )
                 assert recs[r]["s"][k] == pytest.approx(s_ref[r], rel=1e-5)
-                # Bytes per level: the cross level is SPEC §1 on the slice, the local level an
-                # fp32 all-to-all of (L−1)/L of the buffer plus the gather of the 1-bit result;
-                # the agreement adds 16 bytes inside the node and the node's 32 across.
+                # Bytes per level: the cross level is SPEC §1 on the slice in three collectives
+                # ((s, the node's two (finite, numel) records) as 5 fp64, the sign all-to-all,
+                # server signs + scale as one byte buffer), the local level an fp32 all-to-all
+                # of (L−1)/L of the buffer, the gather of the 1-bit result, the 16-byte records.
                 S = padded // 2
-                assert recs[r]["cross"][k] == compression_bytes(S, 2) + 32
+                assert recs[r]["cross"][k] == compression_bytes(S, 2) - 16 + 4 + 40
                 assert recs[r]["local"][k] == 4 * padded // 2 + (S // 8 + 4 * 2) + 16
+
+
+# -- the same bits as the exchange composed of its public parts ---------------------------------
+def _composed(ex: HierarchicalExchange, x: torch.Tensor, state: dict) -> torch.Tensor:
+    """The hierarchical exchange as first written, from public parts: an fp32 all-to-all inside
+    the node and the mean in local-rank order, ``compressed_allreduce_and_scale`` across (four
+    collectives), signs re-packed from the sign of y (t·sgn ≥ 0), scales |y| of each chunk,
+    all-gathered inside the node and unpacked."""
+    L, K = ex.local_size, ex.num_nodes
+    padded = padded_size(x.numel(), L * K)
+    S = padded // L
+    xp = torch.zeros(padded)
+    xp[: x.numel()] = x
+    recv = torch.empty(L, S)
+    ex.local_backend.all_to_all(recv, xp.view(L, S))
+    z = recv[0].clone()
+    for i in range(1, L):
+        z.add_(recv[i])
+    z.div_(L)
+    y, _ = compressed_allreduce_and_scale(
+        z, state["worker_error"], state["server_error"], ex.cross_backend, out=z
+    )
+    row = torch.empty(S // 8 + 4 * K, dtype=torch.uint8)
+    row[: S // 8] = torch.from_numpy(np.packbits(y.numpy() >= 0))
+    row[S // 8 :] = y.view(K, S // K)[:, 0].abs().view(torch.uint8)
+    gathered = torch.empty(L, S // 8 + 4 * K, dtype=torch.uint8)
+    ex.local_backend.all_gather(gathered, row)
+    bits = gathered[:, : S // 8].contiguous().view(L * K, S // (8 * K))
+    scales = gathered[:, S // 8 :].contiguous().view(torch.float32).view(L * K)
+    out = torch.empty_like(x)
+    get_kernels("cpu").unpack_scaled_(bits, scales, out)
+    return out
+
+
+def _against_composed(backend, shared_memory: bool):
+    env = torchrun_env(backend.rank, 2)
+    ex = build_exchange(backend, "hierarchical", env=env, shared_memory=shared_memory)
+    assert isinstance(ex.local_backend, SharedMemoryBackend) == shared_memory
+    mismatches = []
+    for length in LENGTHS:
+        fused = {k: torch.zeros(v) for k, v in ex.state_numels(length).items()}
+        composed = {k: v.clone() for k, v in fused.items()}
+        for call in range(CALLS + 1):
+            # the first call's input is zero on every rank, the errors too: s = t = 0
+            x = _inputs(backend.rank, call, length) * (call > 0)
+            y_fused = x.clone()
+            ex.allreduce_(y_fused, fused)
+            y_composed = _composed(ex, x.clone(), composed)
+            for what, a, b in (
+                ("y", y_fused, y_composed),
+                *((k, fused[k], composed[k]) for k in fused),
+            ):
+                if not torch.equal(a.view(torch.int32), b.view(torch.int32)):
+                    mismatches.append(f"{what} L={length} call={call}")
+    return mismatches
+
+
+@pytest.mark.parametrize("shared_memory", [False, True])
+def test_bit_identical_to_the_composed_exchange(shared_memory: bool) -> None:
+    """Fusing the agreement into the cross scales' all-gather, the server scale into the server
+    signs' all-gather, forwarding the received bits instead of re-packing y, and the shared-
+    memory reduce-scatter change no bit of y, e or f (nor the +0 of a zero chunk)."""
+    for mismatches in run_ranks(_against_composed, 4, shared_memory, timeout=TIMEOUT):
+        assert mismatches == []
 
 
 def test_error_feedback_makes_the_running_mean_unbiased() -> None:

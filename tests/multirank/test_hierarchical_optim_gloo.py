@@ -99,3 +99,86 @@ def test_checkpoint_records_the_topology_and_a_change_resets_the_errors() -> Non
     for res in run_ranks(_resume, 4, "flat", timeout=TIMEOUT):
         assert res["zeros"] and len(res["warned"]) == 1
         assert "saved for the 'hierarchical:2x2:" in res["warned"][0]
+
+
+# -- the local level the optimizers get ------------------------------------------------------------
+def _train_levels(backend, setting: str | None, resume_setting: str | None):
+    """Train with COMMOPT_SHARED_MEMORY=setting, checkpoint after 3 steps, resume under
+    resume_setting and take the remaining steps; also report what topology='auto' builds."""
+    os.environ.update(
+        LOCAL_RANK=str(backend.rank % 2), LOCAL_WORLD_SIZE="2", GROUP_RANK=str(backend.rank // 2)
+    )
+    import warnings
+
+    from commopt.comm.shm_backend import SharedMemoryBackend
+
+    def set_env(value: str | None) -> None:
+        if value is None:
+            os.environ.pop("COMMOPT_SHARED_MEMORY", None)
+        else:
+            os.environ["COMMOPT_SHARED_MEMORY"] = value
+
+    set_env(setting)
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(37, 11)), torch.nn.Parameter(torch.randn(101))]
+    opt = OnebitAdam(params, lr=1e-2, freeze_step=2, topology="hierarchical")
+    auto = OnebitAdam([torch.nn.Parameter(torch.zeros(3))], topology="auto")
+    auto_kind = type(auto.exchange).__name__
+    gen = torch.Generator().manual_seed(backend.rank)
+    grads = [[torch.randn(p.shape, generator=gen) for p in params] for _ in range(STEPS)]
+    for k in range(3):
+        for p, g in zip(params, grads[k], strict=True):
+            p.grad = g
+        opt.step()
+    first_level = type(opt.exchange.local_backend).__name__
+    sd = opt.state_dict()
+    set_env(resume_setting)
+    again = OnebitAdam(
+        [torch.nn.Parameter(p.detach().clone()) for p in params],
+        lr=1e-2,
+        freeze_step=2,
+        topology="hierarchical",
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        again.load_state_dict(sd)
+        for k in range(3, STEPS):
+            for p, g in zip(again.param_groups[0]["params"], grads[k], strict=True):
+                p.grad = g
+            again.step()
+    set_env(None)
+    resumed_level = type(again.exchange.local_backend).__name__
+    assert isinstance(opt.exchange.local_backend, SharedMemoryBackend) == (setting != "0")
+    return {
+        "levels": (first_level, resumed_level),
+        "auto": auto_kind,
+        "name": sd["commopt"]["exchange"],
+        "warned": [str(c.message) for c in caught],
+        "params": [p.detach().clone() for p in again.param_groups[0]["params"]],
+    }
+
+
+def test_optimizers_get_the_shared_memory_local_level_and_resume_across_levels() -> None:
+    """#16 item 3: topology='hierarchical' on gloo puts the local level on shared memory by
+    default (COMMOPT_SHARED_MEMORY=0 turns it off); the level only moves bytes, so the
+    checkpoint (which records the exchange's name, not its level backends) resumes under the
+    other level without a warning and the run continues bit for bit. topology='auto' uses flat
+    when the local level would be gloo over TCP loopback."""
+    runs = {
+        "shm, resumed shm": run_ranks(_train_levels, 4, None, None, timeout=TIMEOUT),
+        "gloo, resumed gloo": run_ranks(_train_levels, 4, "0", "0", timeout=TIMEOUT),
+        "shm, resumed gloo": run_ranks(_train_levels, 4, None, "0", timeout=TIMEOUT),
+    }
+    expect = {
+        "shm, resumed shm": ("SharedMemoryBackend", "SharedMemoryBackend", "HierarchicalExchange"),
+        "gloo, resumed gloo": ("TorchBackend", "TorchBackend", "FlatExchange"),
+        "shm, resumed gloo": ("SharedMemoryBackend", "TorchBackend", "HierarchicalExchange"),
+    }
+    reference = runs["shm, resumed shm"][0]["params"]
+    for what, results in runs.items():
+        for rank, res in enumerate(results):
+            assert (*res["levels"], res["auto"]) == expect[what], what
+            assert res["name"] == f"hierarchical:2x2:{rank // 2}.{rank % 2}"
+            assert res["warned"] == [], (what, res["warned"])
+            for a, b in zip(res["params"], reference, strict=True):
+                assert torch.equal(a, b), what

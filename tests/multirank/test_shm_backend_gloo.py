@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from commopt.comm.shm_backend import SharedMemoryBackend
-from commopt.hierarchical import HierarchicalExchange, _build_level_backends
+from commopt.hierarchical import HierarchicalExchange
+from commopt.hierarchical_levels import build_level_backends
 from commopt.topology import discover_topology
 from tests.multirank.harness import RankError, run_ranks
 
@@ -59,7 +60,7 @@ def _hierarchical_levels(backend):
         "GROUP_RANK": str(backend.rank // 2),
     }
     topo = discover_topology(backend, env)
-    local, cross = _build_level_backends(backend, topo)
+    local, cross = build_level_backends(backend, topo)
     outs = []
     built = HierarchicalExchange(backend, topo, shared_memory=True)
     assert isinstance(built.local_backend, SharedMemoryBackend)
@@ -101,3 +102,51 @@ def test_non_contiguous_is_refused() -> None:
     with pytest.raises(RankError) as info:
         run_ranks(_non_contiguous, 2, timeout=TIMEOUT)
     assert all(m and "contiguous" in m for m in info.value.messages)
+
+
+def _too_small(backend, fallback: bool):
+    """/dev/shm reports 1 KiB free: with fallback the messages go through the helper (same
+    results, one warning); without, every rank raises."""
+    import os
+    import warnings
+
+    from commopt.comm import shm_backend
+
+    real = os.statvfs
+
+    class Tiny:
+        def __init__(self, st):
+            self.f_frsize, self.f_bavail = 1, 1024
+
+    shm_backend.os.statvfs = lambda path: Tiny(real(path))
+    try:
+        shm = SharedMemoryBackend(backend, fallback=fallback)
+        n, rank = backend.world_size, backend.rank
+        x = torch.arange(4 * 1001, dtype=torch.float32) * (rank + 1)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                out = torch.empty(1001)
+                shm.reduce_scatter_mean_(out, x[:4003])  # 4003 of 4004: one padded element
+                gathered = torch.empty(n * 3)
+                shm.all_gather(gathered, torch.full((3,), float(rank)))
+            except RuntimeError as err:
+                return str(err)
+        expect = torch.zeros(4 * 1001)
+        expect[:4003] = torch.arange(4003, dtype=torch.float32)
+        expect = expect.view(n, 1001)[rank] * sum(range(1, n + 1)) / n
+        return (
+            torch.equal(out, expect),
+            torch.equal(gathered, torch.arange(n).repeat_interleave(3).float()),
+            [str(w.message) for w in caught],
+        )
+    finally:
+        shm_backend.os.statvfs = real
+
+
+def test_a_too_small_dev_shm_falls_back_to_the_helper_or_raises() -> None:
+    for same_sum, same_gather, warned in run_ranks(_too_small, 4, True, timeout=TIMEOUT):
+        assert same_sum and same_gather
+        assert len(warned) == 1 and "go through the node's TorchBackend" in warned[0]
+    for message in run_ranks(_too_small, 4, False, timeout=TIMEOUT):
+        assert "has less than the" in message and "bytes free" in message

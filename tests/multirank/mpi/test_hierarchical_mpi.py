@@ -13,7 +13,8 @@ import torch
 from commopt import padded_size
 from commopt.comm import MpiBackend, TorchBackend
 from commopt.exchange import FlatExchange
-from commopt.hierarchical import HierarchicalExchange, _build_level_backends, build_exchange
+from commopt.hierarchical import HierarchicalExchange, build_exchange
+from commopt.hierarchical_levels import build_level_backends
 from commopt.topology import discover_topology
 
 CALLS = 3
@@ -40,8 +41,8 @@ def test_mpi_gloo_and_mixed_levels_agree(
 ) -> None:
     rank, _ = world
     topo = discover_topology(mpi_backend, fake_env(rank))
-    mpi_local, mpi_cross = _build_level_backends(mpi_backend, topo)
-    torch_local, torch_cross = _build_level_backends(torch_backend, topo)
+    mpi_local, mpi_cross = build_level_backends(mpi_backend, topo)
+    torch_local, torch_cross = build_level_backends(torch_backend, topo)
     results = {
         "mpi": run(HierarchicalExchange(mpi_backend, topo), rank),
         "gloo": run(HierarchicalExchange(torch_backend, topo), rank),
