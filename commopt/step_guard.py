@@ -19,6 +19,16 @@ take, so it needs no tuning and is independent of the gradients' scale (unlike a
 bias correction (1-bit Adam) the bound is the supremum over t of the same estimate times
 √(1 − β2^t)/(1 − β1^t).
 
+Which elements are clamped (``step_guard=`` on the optimizers):
+
+- ``"tiny"`` (the default): only elements whose v is below ``TINY_VARIANCE`` (1 %) of the mean v of
+  their own parameter tensor. Those are the elements a 1-bit exchange can blow up (its code gives
+  them the bucket's magnitude); every other element keeps its step bit for bit, so the guard
+  costs nothing where v is ordinary, even when the compressed momentum exceeds B there (which it
+  does at small β2: B(0.9, 0.96) = 1.26, and clamping every element cost 0.7–1.1 % on the demo).
+- ``True``: every element (the first version of this guard).
+- ``False``: off (the papers' step).
+
 It is an intended difference from the papers and from DeepSpeed, which apply m/(√v + ε) as is.
 """
 
@@ -28,7 +38,15 @@ import math
 
 import torch
 
-__all__ = ["adam_step_bound", "bound_step_"]
+__all__ = ["STEP_GUARDS", "TINY_VARIANCE", "adam_step_bound", "bound_step_", "guarded_denominator"]
+
+STEP_GUARDS = (False, True, "tiny")
+"""The values of the optimizers' ``step_guard``: off, every element, tiny-variance elements."""
+
+TINY_VARIANCE = 1e-2
+"""``"tiny"`` clamps the elements whose v < TINY_VARIANCE · mean(v) of their tensor. An element at
+the threshold, with a momentum of the bucket's typical size (≈ √mean(v)), steps by ≈ 10, so the
+clamp at B (7.27 at the papers' betas) can only bind below it; above it, nothing changes."""
 
 
 def adam_step_bound(beta1: float, beta2: float, bias_correction: bool = False) -> float:
@@ -66,11 +84,14 @@ def adam_step_bound(beta1: float, beta2: float, bias_correction: bool = False) -
         t += 1
 
 
-def bound_step_(update: torch.Tensor, bound: float) -> torch.Tensor:
+def bound_step_(
+    update: torch.Tensor, bound: float, where: torch.Tensor | slice | None = None
+) -> torch.Tensor:
     """update ← clamp(update, −bound, bound) in place; returns ``update``.
 
     Elements inside the bound keep every bit; ``bound = inf`` changes nothing (and costs no
-    pass). NaN stays NaN (the optimizers' finiteness checks see it).
+    pass). NaN stays NaN (the optimizers' finiteness checks see it). ``where`` (1-D indices into
+    ``update``): clamp only those elements, leave the others untouched.
     """
     if not bound > 0.0:
         raise ValueError(f"Invalid bound: {bound} (must be > 0)")
@@ -80,4 +101,27 @@ def bound_step_(update: torch.Tensor, bound: float) -> torch.Tensor:
     b = torch.tensor(bound, dtype=update.dtype)
     if float(b) > bound:
         b = torch.nextafter(b, torch.zeros_like(b))
-    return update.clamp_(-float(b), float(b))
+    if where is None or isinstance(where, slice):
+        return update.clamp_(-float(b), float(b))
+    update[where] = update[where].clamp_(-float(b), float(b))
+    return update
+
+
+def guarded_denominator(
+    out: torch.Tensor,
+    m: torch.Tensor,
+    d: torch.Tensor,
+    bound: float,
+    where: torch.Tensor | slice,
+) -> torch.Tensor:
+    """out = d, except out[where] = max(d, |m|/bound) there: then |m/out| ≤ bound (to within an
+    ulp) where the guard acts, and ``addcdiv(m, out)`` gives every other element exactly the bits
+    of ``addcdiv(m, d)`` (clamping m/d and dividing by 1 would round differently). Returns out."""
+    out.copy_(d)
+    if math.isinf(bound):
+        return out
+    if not bound > 0.0:
+        raise ValueError(f"Invalid bound: {bound} (must be > 0)")
+    floor = m[where].abs().div_(bound)
+    out[where] = torch.maximum(d[where], floor)
+    return out

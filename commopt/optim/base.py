@@ -45,7 +45,7 @@ from commopt.optim.precision import master_weights, unscale_grads_
 from commopt.optim.resume import commopt_entry, keep_state_dtypes, split_commopt_entry
 from commopt.optim.user_warning import warn_skipped
 from commopt.optim.variance_guard import ZeroVarianceGuard, apply_exp_avg_mask_
-from commopt.step_guard import adam_step_bound
+from commopt.step_guard import TINY_VARIANCE, adam_step_bound
 
 __all__ = ["TOPOLOGIES", "CompressedOptimizer"]
 
@@ -161,6 +161,21 @@ class CompressedOptimizer(ConfigAttributes, torch.optim.Optimizer):
         if not self.config.step_guard:
             return math.inf
         return adam_step_bound(*group["betas"], bias_correction)
+
+    def _guard_where(self, state: FlatState, seg: Segment) -> torch.Tensor | slice | None:
+        """Which elements of segment ``seg`` the step guard clamps: ``None`` (none: the
+        unguarded path, bit-identical to ``step_guard=False``), ``slice(None)`` (all, with
+        ``step_guard=True``) or their indices relative to the segment (``"tiny"``)."""
+        mode = self.config.step_guard
+        if mode is False:
+            return None
+        if mode is True:
+            return slice(None)
+        tiny = state.tiny_variance(TINY_VARIANCE)
+        if tiny is None:
+            return None
+        where = tiny[(tiny >= seg.start) & (tiny < seg.stop)]
+        return where - seg.start if where.numel() else None
 
     @property
     def flat_states(self) -> list[FlatState]:

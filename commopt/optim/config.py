@@ -73,8 +73,9 @@ def _check_feedback(config: Any) -> None:
     _check_choice("error_feedback", config.error_feedback, _FEEDBACK)
     if not config.econtrol_eta >= 0.0:  # also rejects NaN
         raise ValueError(f"Invalid econtrol_eta: {config.econtrol_eta} (must be >= 0)")
-    if not isinstance(config.step_guard, bool):
-        raise TypeError(f"Invalid step_guard: {config.step_guard!r} (must be True or False)")
+    guard = config.step_guard
+    if not (guard is True or guard is False or (isinstance(guard, str) and guard == "tiny")):
+        raise ValueError(f"Invalid step_guard: {guard!r} (choose 'tiny', True or False)")
 
 
 def check_nonnegative(name: str, value: float) -> None:
@@ -124,8 +125,10 @@ class OnebitAdamConfig:
     """The compressed exchange's error feedback: ``"classic"`` (SPEC §1) or ``"econtrol"``."""
     econtrol_eta: float = 0.2
     """η of EControl (ignored by ``"classic"``)."""
-    step_guard: bool = False
-    """Clamp every compressed-stage step |m/(√v+ε)| to Adam's bound B(β1, β2)."""
+    step_guard: bool | str = "tiny"
+    """Clamp compression-stage steps |m/(√v+ε)| to Adam's bound B(β1, β2): ``"tiny"`` on the
+    elements whose v is < 1 % of their tensor's mean v, ``True`` on every element, ``False``
+    never (:mod:`commopt.step_guard`)."""
 
     def __post_init__(self) -> None:
         check_freeze_step("freeze_step", self.freeze_step)
@@ -156,8 +159,9 @@ class OnebitLambConfig:
     """The compressed exchange's error feedback: ``"classic"`` (SPEC §1) or ``"econtrol"``."""
     econtrol_eta: float = 0.2
     """η of EControl (ignored by ``"classic"``)."""
-    step_guard: bool = False
-    """Clamp every compressed-stage |m/(√v+ε)| to Adam's bound B(β1, β2)."""
+    step_guard: bool | str = "tiny"
+    """Clamp compression-stage |m/(√v+ε)| to Adam's bound B(β1, β2): ``"tiny"``, ``True`` or
+    ``False`` as for 1-bit Adam (:mod:`commopt.step_guard`)."""
 
     def __post_init__(self) -> None:
         check_freeze_step("freeze_step", self.freeze_step)
@@ -188,8 +192,9 @@ class ZeroOneAdamConfig:
     """The compressed exchange's error feedback: ``"classic"`` (SPEC §1) or ``"econtrol"``."""
     econtrol_eta: float = 0.2
     """η of EControl (ignored by ``"classic"``)."""
-    step_guard: bool = False
-    """Clamp every step |m/(√v+ε)| to Adam's bound B(β1, β2) (phase A and B)."""
+    step_guard: bool | str = "tiny"
+    """Clamp steps |m/(√v+ε)| to Adam's bound B(β1, β2) in phase A and B: ``"tiny"``, ``True``
+    or ``False`` as for 1-bit Adam (:mod:`commopt.step_guard`)."""
 
     def __post_init__(self) -> None:
         check_freeze_step("var_freeze_step", self.var_freeze_step)

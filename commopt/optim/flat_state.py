@@ -69,6 +69,8 @@ class FlatState:
         self._denominator_key: tuple | None = None
         self._zero_variance_key: int | None = None
         self._zero_variance: torch.Tensor | None = None
+        self._tiny_variance_key: tuple | None = None
+        self._tiny_variance: torch.Tensor | None = None
 
     # -- buffers ------------------------------------------------------------------------------
     def _new_flat(self, key: str) -> torch.Tensor:
@@ -155,6 +157,26 @@ class FlatState:
             self._zero_variance = where if where.numel() else None
             self._zero_variance_key = v._version
         return self._zero_variance
+
+    def tiny_variance(self, ratio: float) -> torch.Tensor | None:
+        """Indices of the elements whose v is below ``ratio`` times the mean v of their own
+        parameter tensor (``None`` if there are none): the step guard's candidates.
+
+        Found once per value of v and kept, like :meth:`zero_variance` (v is frozen in the
+        compression stages). v is bit-identical on every rank, so the indices are too.
+        """
+        v = self.flat["exp_avg_sq"]
+        key = (v._version, ratio)
+        if self._tiny_variance_key != key:
+            parts = []
+            for view, offset in zip(self.bucket.views(v), self.bucket.offsets, strict=True):
+                flat = view.reshape(-1)
+                where = (flat < ratio * flat.mean()).nonzero().squeeze(1)
+                if where.numel():
+                    parts.append(where + offset)
+            self._tiny_variance = torch.cat(parts) if parts else None
+            self._tiny_variance_key = key
+        return self._tiny_variance
 
     # -- this rank's exchange state -----------------------------------------------------------
     def reset_comm(self) -> None:

@@ -5,15 +5,13 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import torch
-
 from commopt.comm import Backend
 from commopt.freeze import variance_level
 from commopt.optim.adam_math import adam_update_, momentum_from_grads_, update_moments_
 from commopt.optim.base import CompressedOptimizer
 from commopt.optim.config import OnebitAdamConfig, check_adam_arguments, document_schedule
 from commopt.optim.flat_state import FlatState
-from commopt.step_guard import bound_step_
+from commopt.step_guard import guarded_denominator
 
 __all__ = ["OnebitAdam"]
 
@@ -82,8 +80,10 @@ class OnebitAdam(CompressedOptimizer):
         error_feedback: ``"classic"`` (SPEC §1, default) or ``"econtrol"`` (EControl, Gao et
             al. 2024; docs/algorithms/error_feedback.md) for the compressed exchange.
         econtrol_eta: η of EControl (default 0.2; ignored by ``"classic"``).
-        step_guard: clamp each compression-stage step |m̂/(√v̂ + ε)| to the largest step exact
-            Adam can take, B(β1, β2) (:mod:`commopt.step_guard`; default False).
+        step_guard: clamp compression-stage steps |m̂/(√v̂ + ε)| to the largest step exact
+            Adam can take, B(β1, β2) (:mod:`commopt.step_guard`): ``"tiny"`` (default) on the
+            elements whose v is below 1 % of their tensor's mean v, ``True`` on every element,
+            ``False`` never (the paper's step).
 
     Tuning ``freeze_step``: the variance must have settled before it is frozen, because every
     later step divides by it. Too early and the frozen √v is too small or too noisy, and
@@ -134,7 +134,7 @@ class OnebitAdam(CompressedOptimizer):
         bucket_numel: int | None = None,
         error_feedback: str = "classic",
         econtrol_eta: float = 0.2,
-        step_guard: bool = False,
+        step_guard: bool | str = "tiny",
     ) -> None:
         check_adam_arguments(lr, betas, eps, weight_decay)
         config = OnebitAdamConfig(
@@ -197,7 +197,8 @@ class OnebitAdam(CompressedOptimizer):
 
     def _apply_update(self, state: FlatState, t: int, freeze_step: float) -> None:
         """p ← p − η·(m̂/(√v̂ + ε) + λ·p), group by group, with v̂'s bias factor frozen too;
-        with ``step_guard``, in the compression stage |m̂/(√v̂ + ε)| ≤ B(β1, β2)."""
+        with ``step_guard``, in the compression stage |m̂/(√v̂ + ε)| ≤ B(β1, β2) (on the
+        elements :meth:`_guard_where` names)."""
         variance_t = min(t, freeze_step)
         bias_sqrt, step_sizes, eps = [], [], []
         for _, group in self.segments(state):
@@ -208,28 +209,18 @@ class OnebitAdam(CompressedOptimizer):
             eps.append(group["eps"])
         d = state.denominator(bias_sqrt, eps)
         m = state.flat["exp_avg"]
-        guarded = self.config.step_guard and t > freeze_step
         for (seg, group), step_size in zip(self.segments(state), step_sizes, strict=True):
-            if guarded:  # m/d bounded so that the step m̂/d stays within B
-                u = state.scratch("grad")  # free in the compression stage
-                torch.div(m[seg.slice], d[seg.slice], out=u[seg.slice])
+            where = self._guard_where(state, seg) if t > freeze_step else None
+            d_seg = d
+            if where is not None:  # |m/d| ≤ B·lr/step_size, so that |m̂/d| ≤ B
+                d_seg = state.scratch("guard")  # the whole bucket: seg.views slices it
                 bound = self._step_bound(group, group["bias_correction"])
-                bound_step_(u[seg.slice], bound * group["lr"] / step_size)
-                # the same addcdiv as below, on u/1: bit-identical wherever nothing was cut
-                ones = state.scratch("ones")[seg.slice].fill_(1.0)
-                adam_update_(
-                    seg.params,
-                    seg.views(u),
-                    seg.views(ones),
-                    group["lr"],
-                    group["weight_decay"],
-                    step_size,
-                )
-                continue
+                sl = seg.slice
+                guarded_denominator(d_seg[sl], m[sl], d[sl], bound * group["lr"] / step_size, where)
             adam_update_(
                 seg.params,
                 seg.views(m),
-                seg.views(d),
+                seg.views(d_seg),
                 group["lr"],
                 group["weight_decay"],
                 step_size,

@@ -120,8 +120,10 @@ class OnebitLamb(CompressedOptimizer):
         error_feedback: ``"classic"`` (SPEC §1, default) or ``"econtrol"`` (EControl, Gao et
             al. 2024; docs/algorithms/error_feedback.md) for the compressed exchange.
         econtrol_eta: η of EControl (default 0.2; ignored by ``"classic"``).
-        step_guard: clamp each compression-stage |m/(√v + ε)| to B(β1, β2), the largest value
-            exact Adam can take (:mod:`commopt.step_guard`; default False).
+        step_guard: clamp compression-stage |m/(√v + ε)| to B(β1, β2), the largest value exact
+            Adam can take (:mod:`commopt.step_guard`): ``"tiny"`` (default) on the elements
+            whose v is below 1 % of their tensor's mean v, ``True`` on every element, ``False``
+            never (the paper's step).
 
     ``freeze_step="auto"`` freezes once the bias-corrected variance level has settled
     (:class:`commopt.freeze.AutoFreeze`); the trust ratio normalises each layer's update, so
@@ -186,7 +188,7 @@ class OnebitLamb(CompressedOptimizer):
         trust_ratio: str = "frozen",
         error_feedback: str = "classic",
         econtrol_eta: float = 0.2,
-        step_guard: bool = False,
+        step_guard: bool | str = "tiny",
     ) -> None:
         check_adam_arguments(lr, betas, eps, weight_decay)
         config = OnebitLambConfig(
@@ -344,7 +346,9 @@ class OnebitLamb(CompressedOptimizer):
         for seg, group in self.segments(state):
             el = seg.slice
             torch.div(m[el], d[el], out=u[el])
-            bound_step_(u[el], self._step_bound(group))
+            where = self._guard_where(state, seg)
+            if where is not None:
+                bound_step_(u[el], self._step_bound(group), where)
             if group["weight_decay"] != 0:
                 u[el].add_(p[el], alpha=group["weight_decay"])
         p_norm, u_norm = _norms(bucket, p), _norms(bucket, u)
@@ -373,7 +377,9 @@ class OnebitLamb(CompressedOptimizer):
             d_fresh = torch.sqrt(v_fresh[el], out=ratio[el]).add_(group["eps"])
             torch.div(d, d_fresh, out=ratio[el])
             torch.div(m[el], d, out=u[el])  # 8. u₀
-            bound_step_(u[el], self._step_bound(group))  # commopt's guard (off by default)
+            where = self._guard_where(state, seg)  # commopt's guard (not in the paper)
+            if where is not None:
+                bound_step_(u[el], self._step_bound(group), where)
         factor = _per_tensor(torch._foreach_max, bucket.views(ratio), 1.0, m.device)
         if any(group["weight_decay"] > 0 for _, group in self.segments(state)):
             u0_norm = _norms(bucket, u)

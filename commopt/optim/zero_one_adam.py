@@ -15,7 +15,7 @@ from commopt.optim.base import CompressedOptimizer
 from commopt.optim.config import ZeroOneAdamConfig, check_adam_arguments, document_schedule
 from commopt.optim.flat_state import FlatState
 from commopt.optim.user_warning import warn_at_caller
-from commopt.step_guard import bound_step_
+from commopt.step_guard import bound_step_, guarded_denominator
 
 __all__ = ["ZeroOneAdam"]
 
@@ -141,7 +141,7 @@ class ZeroOneAdam(CompressedOptimizer):
         topology: str = "flat",
         error_feedback: str = "classic",
         econtrol_eta: float = 0.2,
-        step_guard: bool = False,
+        step_guard: bool | str = "tiny",
     ) -> None:
         check_adam_arguments(lr, betas, eps, weight_decay)
         config = ZeroOneAdamConfig(
@@ -309,12 +309,12 @@ class ZeroOneAdam(CompressedOptimizer):
                 else:  # η was 0 since the last sync: nothing moved, no momentum to recover
                     m[seg.slice].zero_()
             acc.div_(self._frozen_denominator(state))
-            if self.config.step_guard:  # s lr-weighted steps of at most B each
-                for seg, group in self.segments(state):
-                    lrs = self.global_state["lrs"][seg.group]
-                    bound = self._step_bound(group) * lrs
-                    if lrs > 0 and math.isfinite(bound):
-                        bound_step_(acc[seg.slice], bound)
+            for seg, group in self.segments(state):  # s lr-weighted steps of at most B each
+                where = self._guard_where(state, seg)
+                lrs = self.global_state["lrs"][seg.group]
+                bound = self._step_bound(group) * lrs
+                if where is not None and lrs > 0 and math.isfinite(bound):
+                    bound_step_(acc[seg.slice], bound, where)
             acc.add_(p_sync)
             state.set_params(acc)
             state.gather_params(p_sync)  # p as stored (bf16 parameters round)
@@ -338,11 +338,10 @@ class ZeroOneAdam(CompressedOptimizer):
         m = state.flat["exp_avg"]
         for seg, group in self.segments(state):
             lr = group["lr"]
-            if self.config.step_guard:  # |m/d| ≤ B(β1, β2); addcdiv on u/1 as below
-                u = torch.div(m[seg.slice], d[seg.slice], out=state.scratch("grad")[seg.slice])
-                bound_step_(u, self._step_bound(group))
-                ones = state.scratch("ones")[seg.slice].fill_(1.0)
-                u_views = seg.views(state.scratch("grad"))
-                adam_update_(seg.params, u_views, seg.views(ones), lr, group["weight_decay"], lr)
-                continue
-            adam_update_(seg.params, seg.views(m), seg.views(d), lr, group["weight_decay"], lr)
+            where = self._guard_where(state, seg)
+            d_seg = d
+            if where is not None:  # |m/d| ≤ B(β1, β2) there; every other element keeps its bits
+                d_seg = state.scratch("guard")  # the whole bucket: seg.views slices it
+                sl = seg.slice
+                guarded_denominator(d_seg[sl], m[sl], d[sl], self._step_bound(group), where)
+            adam_update_(seg.params, seg.views(m), seg.views(d_seg), lr, group["weight_decay"], lr)

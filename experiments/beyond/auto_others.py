@@ -1,14 +1,15 @@
 r"""1-bit LAMB and 0/1 Adam with the automatic freeze on the convergence suite's LM task.
 
-    python -m experiments.beyond.auto_others
+    python -m experiments.beyond.auto_others --out experiments/beyond/results
 
 OnebitLamb(freeze_step="auto") with frozen and tracking trust ratios, and
 ZeroOneAdam(var_freeze_step="auto", local_step_scaler=75); 300 steps, β2 = 0.99, the suite's
-learning rates, 4 ranks. Writes results/auto_lm_others.md.
+learning rates, 4 ranks. Writes auto_lm_others.md into ``--out``.
 """
 
 from __future__ import annotations
 
+import argparse
 import pathlib
 import sys
 
@@ -19,7 +20,13 @@ from experiments.convergence.run import DEFAULTS
 OUT = pathlib.Path(__file__).parent / "results"
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=DEFAULTS["lm"]["steps"])
+    parser.add_argument("--ranks", type=int, default=4)
+    parser.add_argument("--out", type=pathlib.Path, default=OUT)
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
     d = DEFAULTS["lm"]
     betas = (0.9, 0.99)
     makers = {
@@ -33,10 +40,13 @@ def main() -> int:
             p, lr=d["lr"], betas=betas, var_freeze_step="auto", local_step_scaler=75, backend=be
         ),
     }
-    result = run_variants("lm", makers, d["steps"], d["eval_every"])
-    note = "300 steps, betas (0.9, 0.99), the convergence suite's learning rates, 4 ranks."
+    result = run_variants("lm", makers, args.steps, d["eval_every"], args.ranks)
+    note = (
+        f"{args.steps} steps, betas (0.9, 0.99), the convergence suite's learning rates, "
+        f"{args.ranks} ranks."
+    )
     title = "LAMB and 0/1 Adam with the automatic freeze, LM"
-    print(write_table(result, OUT / "auto_lm_others.md", title, note))
+    print(write_table(result, args.out / "auto_lm_others.md", title, note))
     return 0
 
 

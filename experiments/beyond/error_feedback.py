@@ -84,7 +84,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--etas", default="0.05,0.2")
     parser.add_argument("--seeds", default="0", help="task seeds (model init and batches)")
     parser.add_argument("--only", default="", help="comma-separated subset of variant labels")
+    parser.add_argument("--ranks", type=int, default=4)
+    parser.add_argument("--out", type=pathlib.Path, default=OUT)
     args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
     etas = [float(e) for e in args.etas.split(",") if e.strip()]
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     chosen = makers(args.lr, args.beta2, args.warmup, args.steps, etas)
@@ -97,17 +100,20 @@ def main(argv: list[str] | None = None) -> int:
             chosen,
             args.steps,
             15,
+            args.ranks,
             overrides={"seed": seed},
             task_factory=HeterogeneousDigits,
         )
         tag = "" if len(seeds) == 1 else f"_seed{seed}"
         note = (
             f"{args.steps} steps, freeze/var_freeze step {args.warmup}, lr {args.lr}, betas "
-            f"(0.9, {args.beta2}), 4 ranks, each rank on its own classes; seed {seed}."
+            f"(0.9, {args.beta2}), {args.ranks} ranks, each rank on its own classes; seed {seed}."
         )
-        path = OUT / f"error_feedback_digits{tag}.md"
+        path = args.out / f"error_feedback_digits{tag}.md"
         print(write_table(results[seed], path, "EControl vs classic EF", note))
-        plot_curves(results[seed], OUT / f"error_feedback_digits{tag}.png", "heterogeneous digits")
+        plot_curves(
+            results[seed], args.out / f"error_feedback_digits{tag}.png", "heterogeneous digits"
+        )
     if len(seeds) > 1:
         lines = [
             "| variant | " + " | ".join(f"seed {s}" for s in seeds) + " | mean |",
@@ -118,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
             cells = " | ".join(f"{v:.4f}" for v in finals)
             lines.append(f"| {label} | {cells} | {sum(finals) / len(finals):.4f} |")
         text = "## Final validation loss over seeds\n\n" + "\n".join(lines) + "\n"
-        (OUT / "error_feedback_digits_seeds.md").write_text(text)
+        (args.out / "error_feedback_digits_seeds.md").write_text(text)
         print(text)
     return 0
 

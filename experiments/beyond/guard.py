@@ -1,13 +1,15 @@
-r"""0/1 Adam on the demo at the paper's β2 = 0.999: no guard, the step guard, an ε floor.
+r"""The step guard on the demo's byte LM: 0/1 Adam at the paper's β2 = 0.999 and what it costs.
 
-    python -m experiments.beyond.guard
+    python -m experiments.beyond.guard --out experiments/beyond/results [--seeds 0,1]
 
-The demo's byte LM (experiments/demo/train_bytelm.py: 300 steps, var_freeze_step 75, lr 2e-3,
-the demo's ZeroOneAdam schedule), 4 ranks. Every row keeps commopt's zero-variance guard (SPEC
-§8). Rows: β2 = 0.999 as is; with ``step_guard=True`` (|m/(√v+ε)| ≤ B(β1, β2) = 7.27); with a
-larger ε (1e-6, a plain floor); and the demo's own β2 = 1 − 3/75 = 0.96 with and without the
-step guard (B = 1.26), to see what the guard costs where nothing diverges. Writes
-results/guard.md.
+The demo's byte LM (experiments/demo/train_bytelm.py: 300 steps, warmup / var_freeze_step 75,
+lr 2e-3, the demo's ZeroOneAdam schedule), 4 ranks. Every row keeps commopt's zero-variance
+guard (SPEC §8). ``step_guard`` rows: ``tiny`` (the default: clamp |m/(√v+ε)| ≤ B(β1, β2) only
+where v < 1 % of the tensor's mean v), ``all`` (``True``: every element), ``off`` (``False``:
+the papers' step), and an ε floor (ε = 1e-6, guard off). 0/1 Adam at β2 = 0.999 (the paper's)
+and 0.96 (the demo's 1 − 3/T_v); 1-bit Adam and 1-bit LAMB at their defaults, guard on and off,
+to see what the default costs where nothing diverges. Writes ``guard.md`` (one table per seed
+and a mean over seeds) into ``--out``.
 """
 
 from __future__ import annotations
@@ -15,15 +17,19 @@ from __future__ import annotations
 import argparse
 import math
 import pathlib
+import statistics
 import sys
+from typing import Any
 
 import commopt
 from experiments.beyond.demo_lm import run_demo_variants
+from experiments.demo import train_bytelm as demo
 
 OUT = pathlib.Path(__file__).parent / "results"
+GUARDS: dict[str, Any] = {"tiny": "tiny", "all": True, "off": False}
 
 
-def _zero_one(beta2: float, eps: float = 1e-8, guard: bool = False):
+def _zero_one(beta2: float, guard: Any, eps: float = 1e-8):
     def build(params, cfg):
         return commopt.ZeroOneAdam(
             params,
@@ -40,40 +46,77 @@ def _zero_one(beta2: float, eps: float = 1e-8, guard: bool = False):
     return build
 
 
+def _onebit_adam(guard: Any):
+    def build(params, cfg):
+        return commopt.OnebitAdam(params, lr=cfg.lr, freeze_step=cfg.warmup, step_guard=guard)
+
+    return build
+
+
+def _onebit_lamb(guard: Any):
+    def build(params, cfg):
+        return commopt.OnebitLamb(params, lr=5 * cfg.lr, freeze_step=cfg.warmup, step_guard=guard)
+
+    return build
+
+
 VARIANTS = {
-    "β2=0.999": _zero_one(0.999),
-    "β2=0.999 step_guard": _zero_one(0.999, guard=True),
-    "β2=0.999 eps=1e-6": _zero_one(0.999, eps=1e-6),
-    "β2=0.96": _zero_one(0.96),
-    "β2=0.96 step_guard": _zero_one(0.96, guard=True),
+    **{f"ZeroOneAdam β2=0.999 guard={k}": _zero_one(0.999, g) for k, g in GUARDS.items()},
+    "ZeroOneAdam β2=0.999 guard=off eps=1e-6": _zero_one(0.999, False, eps=1e-6),
+    **{f"ZeroOneAdam β2=0.96 guard={k}": _zero_one(0.96, g) for k, g in GUARDS.items()},
+    **{f"OnebitAdam guard={k}": _onebit_adam(g) for k, g in GUARDS.items() if k != "all"},
+    **{f"OnebitLamb guard={k}": _onebit_lamb(g) for k, g in GUARDS.items() if k != "all"},
 }
+
+
+def _loss(x: float) -> str:
+    return f"{x:.4f}" if math.isfinite(x) else "diverged (NaN)"
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated labels")
+    parser.add_argument("--seeds", default="0", help="demo seeds (model init and batches)")
+    parser.add_argument("--steps", type=int, default=demo.Config.steps)
+    parser.add_argument("--warmup", type=int, default=demo.Config.warmup)
+    parser.add_argument("--ranks", type=int, default=4)
+    parser.add_argument("--small", action="store_true", help="a tiny model and corpus (tests)")
+    parser.add_argument("--out", type=pathlib.Path, default=OUT)
     args = parser.parse_args(argv)
     chosen = {k: VARIANTS[k] for k in args.variants.split(",") if k}
-    res = run_demo_variants(chosen)
+    seeds = [int(s) for s in args.seeds.split(",")]
+    extra = {}
+    if args.small:
+        extra = dict(batch=4, hidden=16, embed=8, eval_contexts=64, max_corpus_bytes=2_000_000)
+    per_seed = {}
+    for seed in seeds:
+        cfg = demo.Config(steps=args.steps, warmup=args.warmup, seed=seed, **extra)
+        per_seed[seed] = run_demo_variants(chosen, cfg, world_size=args.ranks)
+    first = per_seed[seeds[0]]
     lines = [
-        "## 0/1 Adam on the demo byte LM: guards at β2 = 0.999",
+        "## The step guard on the demo byte LM",
         "",
-        f"Machine: {res['_machine']}.",
+        f"Machine: {first['_machine']}. Steps {args.steps}, warmup {args.warmup}, "
+        f"{args.ranks} ranks, seeds {args.seeds}.",
         "",
-        "| variant | final val loss | steps skipped (non-finite) | MB sent/rank "
-        "| replicas identical |",
-        "|---|---|---|---|---|",
+        "| variant | " + " | ".join(f"val loss seed {s}" for s in seeds) + " | mean "
+        "| steps skipped (non-finite) | MB sent/rank | replicas identical |",
+        "|---|" + "---|" * len(seeds) + "---|---|---|---|",
     ]
     for label in chosen:
-        r = res[label]
-        loss = "diverged (NaN)" if not math.isfinite(r["val_loss"]) else f"{r['val_loss']:.4f}"
+        rows = [per_seed[s][label] for s in seeds]
+        losses = [r["val_loss"] for r in rows]
+        mean = statistics.fmean(losses) if all(map(math.isfinite, losses)) else math.nan
         lines.append(
-            f"| {label} | {loss} | {r['skipped']} | {r['bytes'] / 1e6:.2f} "
-            f"| {'yes' if r['identical'] else 'no'} |"
+            f"| {label} | "
+            + " | ".join(_loss(x) for x in losses)
+            + f" | {_loss(mean)} | {sum(r['skipped'] for r in rows)} "
+            + f"| {rows[0]['bytes'] / 1e6:.2f} "
+            + f"| {'yes' if all(r['identical'] for r in rows) else 'no'} |"
         )
     text = "\n".join(lines) + "\n"
-    OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "guard.md").write_text(text)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "guard.md").write_text(text)
     print(text)
     return 0
 

@@ -1,7 +1,7 @@
 r"""1-bit LAMB with frozen (SPEC §3) against tracking trust ratios, and LAMB, on three problems.
 
     python -m experiments.beyond.trust_ratio               # linear, mlp and lm
-    python -m experiments.beyond.trust_ratio --problems linear,mlp
+    python -m experiments.beyond.trust_ratio --problems linear,mlp --out experiments/beyond/results
 
 The problems of docs/algorithms/onebit_lamb.md, 4 ranks each, every rank on its own shard:
 
@@ -89,6 +89,7 @@ def _lm() -> dict[str, float]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--problems", default="linear,mlp,lm")
+    parser.add_argument("--out", type=pathlib.Path, default=OUT)
     args = parser.parse_args(argv)
     rows = []
     for problem in [p.strip() for p in args.problems.split(",") if p.strip()]:
@@ -113,8 +114,8 @@ def main(argv: list[str] | None = None) -> int:
             *rows,
         ]
     )
-    OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / f"trust_ratio_{'_'.join(args.problems.split(','))}.md").write_text(text + "\n")
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"trust_ratio_{'_'.join(args.problems.split(','))}.md").write_text(text + "\n")
     print(text)
     return 0
 

@@ -7,10 +7,16 @@ variance) and a parameter without gradient on one rank, and prints one digest pe
 rank. Run it before and after a change; the lines must be identical.
 
     python -m experiments.optim.state_digest
+    python -m experiments.optim.state_digest --step-guard off   # the papers' step (no guard)
+
+The default run uses the optimizers' defaults, so a change of a default changes its lines
+(``step_guard="tiny"`` did: docs/algorithms/step_guard.md); ``--step-guard off`` passes
+``step_guard=False`` and must print the lines of the code before the guard existed.
 """
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 
 import torch
@@ -41,9 +47,13 @@ def _groups(model: torch.nn.Module) -> list[dict]:
 
 
 _OPTIMIZERS = {
-    "OnebitAdam": lambda g, be: commopt.OnebitAdam(g, lr=0.01, freeze_step=5, backend=be),
-    "OnebitLamb": lambda g, be: commopt.OnebitLamb(g, lr=0.01, freeze_step=5, backend=be),
-    "ZeroOneAdam": lambda g, be: commopt.ZeroOneAdam(
+    "OnebitAdam": lambda g, be, **kw: commopt.OnebitAdam(
+        g, lr=0.01, freeze_step=5, backend=be, **kw
+    ),
+    "OnebitLamb": lambda g, be, **kw: commopt.OnebitLamb(
+        g, lr=0.01, freeze_step=5, backend=be, **kw
+    ),
+    "ZeroOneAdam": lambda g, be, **kw: commopt.ZeroOneAdam(
         g,
         lr=0.01,
         var_freeze_step=7,
@@ -51,17 +61,18 @@ _OPTIMIZERS = {
         local_step_scaler=2,
         local_step_clipper=4,
         backend=be,
+        **kw,
     ),
 }
 
 
-def _digest(backend, name: str) -> str:
+def _digest(backend, name: str, options: dict) -> str:
     import warnings
 
     warnings.simplefilter("ignore")
     rank = backend.rank
     model = _model()
-    opt = _OPTIMIZERS[name](_groups(model), backend)
+    opt = _OPTIMIZERS[name](_groups(model), backend, **options)
     h = hashlib.sha256()
     for t in range(1, STEPS + 1):
         gen = torch.Generator().manual_seed(100 * rank + t)
@@ -87,9 +98,13 @@ def _digest(backend, name: str) -> str:
     return h.hexdigest()[:16]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--step-guard", choices=("default", "off"), default="default")
+    args = parser.parse_args(argv)
+    options = {"step_guard": False} if args.step_guard == "off" else {}
     for name in _OPTIMIZERS:
-        digests = run_ranks(_digest, 4, name, timeout=300)
+        digests = run_ranks(_digest, 4, name, options, timeout=300)
         print(name, " ".join(digests))
 
 

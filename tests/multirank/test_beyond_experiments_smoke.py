@@ -1,0 +1,83 @@
+"""Each experiment of issue 13 (experiments/beyond/*) runs as one command with ``--out`` and
+writes its results: tiny sizes, a few steps, 2 ranks, so CI keeps the commands working. The
+numbers are not checked (too few steps to mean anything); the tables' rows and finite losses
+are."""
+
+from __future__ import annotations
+
+import math
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+TIMEOUT = 600
+
+
+def _run(module: str, out: pathlib.Path, *args: str) -> str:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), MPLBACKEND="Agg")
+    proc = subprocess.run(
+        [sys.executable, "-m", module, "--out", str(out), *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+def _losses(table: str, label: str) -> list[float]:
+    row = next(line for line in table.splitlines() if line.startswith(f"| {label} |"))
+    return [float(x) for x in re.findall(r"\d+\.\d{4}", row)]
+
+
+def test_freeze_digits_two_seeds(tmp_path):
+    _run(
+        "experiments.beyond.freeze",
+        tmp_path,
+        *("--task", "digits", "--steps", "8", "--sweep", "3,5", "--seeds", "0,1", "--ranks", "2"),
+    )
+    for name in ("freeze_digits_seed0.md", "freeze_digits_seed1.png", "freeze_digits_seeds.md"):
+        assert (tmp_path / name).stat().st_size > 0
+    seeds = (tmp_path / "freeze_digits_seeds.md").read_text()
+    assert "gap to the seed's best fixed step" in seeds
+    for label in ("OnebitAdam F=3", "OnebitAdam F=5", "OnebitAdam auto"):
+        assert all(map(math.isfinite, _losses(seeds, label)))
+
+
+def test_error_feedback(tmp_path):
+    args = ("--steps", "6", "--warmup", "3", "--etas", "0.2", "--ranks", "2")
+    _run("experiments.beyond.error_feedback", tmp_path, *args, "--only", _ef_labels())
+    table = (tmp_path / "error_feedback_digits.md").read_text()
+    assert "OnebitAdam econtrol η=0.2" in table and "OnebitAdam classic" in table
+    assert (tmp_path / "error_feedback_digits.png").stat().st_size > 0
+
+
+def _ef_labels() -> str:
+    return "OnebitAdam classic,OnebitAdam econtrol η=0.2"
+
+
+def test_trust_ratio_linear(tmp_path):
+    _run("experiments.beyond.trust_ratio", tmp_path, "--problems", "linear")
+    table = (tmp_path / "trust_ratio_linear.md").read_text()
+    assert all(map(math.isfinite, _losses(table, "linear")))
+
+
+def test_auto_others(tmp_path):
+    _run("experiments.beyond.auto_others", tmp_path, "--steps", "4", "--ranks", "2")
+    table = (tmp_path / "auto_lm_others.md").read_text()
+    assert "OnebitLamb auto tracking" in table and "ZeroOneAdam auto" in table
+
+
+@pytest.mark.parametrize("variant", ["ZeroOneAdam β2=0.999 guard=tiny", "OnebitLamb guard=off"])
+def test_guard(tmp_path, variant):
+    small = ("--small", "--steps", "8", "--warmup", "3", "--ranks", "2", "--seeds", "0,1")
+    _run("experiments.beyond.guard", tmp_path, *small, "--variants", variant)
+    table = (tmp_path / "guard.md").read_text()
+    assert f"| {variant} |" in table and "val loss seed 1" in table
