@@ -10,7 +10,6 @@
 
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
@@ -18,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from commopt.comm import all_gather_async, all_reduce_async, all_to_all_async
+from tests.multirank.gil_probe import poll_during
 from tests.multirank.harness import run_ranks
 
 TIMEOUT = 120.0
@@ -106,22 +106,7 @@ def _gil_during_collective(backend, how: str) -> list[tuple[float, int]]:
             time.sleep(1.0)
             communicate()
             continue
-        window: list[float] = []
-
-        def timed(window: list[float] = window) -> None:
-            window.append(time.perf_counter())
-            communicate()
-            window.append(time.perf_counter())
-
-        worker = threading.Thread(target=timed)
-        stamps: list[float] = []
-        worker.start()
-        while worker.is_alive():
-            stamps.append(time.perf_counter())
-        worker.join()
-        t0, t1 = window
-        middle = [s for s in stamps if t0 + 0.25 * (t1 - t0) < s < t1 - 0.25 * (t1 - t0)]
-        tries.append((t1 - t0, len(middle)))
+        tries.append(poll_during(communicate))
     return tries
 
 

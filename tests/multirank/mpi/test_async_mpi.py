@@ -7,7 +7,6 @@ the main thread run Python. Collectives first, assertions after (conftest.py).
 
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
@@ -15,6 +14,7 @@ import torch
 from mpi4py import MPI
 
 from commopt.comm import MpiBackend, all_gather_async, all_reduce_async, all_to_all_async
+from tests.multirank.gil_probe import poll_during
 
 
 def _bits(t: torch.Tensor) -> bytes:
@@ -78,22 +78,7 @@ def test_waiting_in_mpi_releases_the_gil(mpi_backend: MpiBackend, world, allgath
             time.sleep(1.0)  # everyone else's collective waits for this rank
             communicate()
             continue
-        window: list[float] = []
-        stamps: list[float] = []
-
-        def timed(window: list[float] = window) -> None:
-            window.append(time.perf_counter())
-            communicate()
-            window.append(time.perf_counter())
-
-        worker = threading.Thread(target=timed)
-        worker.start()
-        while worker.is_alive():
-            stamps.append(time.perf_counter())
-        worker.join()
-        t0, t1 = window
-        middle = sum(t0 + 0.25 * (t1 - t0) < s < t1 - 0.25 * (t1 - t0) for s in stamps)
-        tries.append((t1 - t0, middle))
+        tries.append(poll_during(communicate))
     results = allgather(tries)
     waiting = [r for i, r in enumerate(results) if i != 1]
     assert all(w > 0.5 for r in waiting for w, _ in r), results  # the workers did wait
