@@ -20,7 +20,8 @@ from typing import Literal, Protocol, runtime_checkable
 import torch
 
 from commopt.comm import Backend
-from commopt.compressed import compressed_allreduce_and_scale, econtrol_allreduce_, padded_size
+from commopt.compressed import compressed_allreduce_and_scale, padded_size
+from commopt.econtrol import econtrol_allreduce_
 
 __all__ = ["FEEDBACK_POLICIES", "Exchange", "FlatExchange", "optimizer_exchange"]
 
@@ -64,7 +65,7 @@ class FlatExchange:
 
             - ``"classic"`` (default): SPEC §1 exactly; state ``worker_error``, ``server_error``.
             - ``"econtrol"``: EControl (Gao, Islamov, Stich, ICLR 2024, arXiv:2311.05645), see
-              :func:`commopt.compressed.econtrol_allreduce_`. The workers compress the
+              :func:`commopt.econtrol.econtrol_allreduce_`. The workers compress the
               difference between their buffer and an estimate of it, plus η times their error;
               the servers keep classic error feedback. Same wire bytes per call (plus one fp32
               all-reduce on the very first call); state adds ``worker_estimate`` and

@@ -29,19 +29,10 @@ DDP groups the parameters, and keeps the error buffers where they always were (t
 optimizer's ``state_dict()``).
 
 With ``overlap=True`` (:mod:`commopt.optim.overlap`) the same staged work starts from
-per-parameter gradient hooks instead of DDP, and the averages and exchanges run on the
-optimizer's communication thread (:mod:`commopt.optim.comm_thread`) in a fixed exchange order:
-each backward pass is a *round* of tickets, one per bucket at its position in that order, and
-a second synced pass before ``step()`` opens a new round (the bucket's earlier job is waited
-for before its staged buffers are written again). ``step()`` drains the thread first
-(:meth:`EarlyWork.drain`). The thread adds no buffers: only one exchange runs at a time, with
-the synchronous exchange's temporaries.
-
-Memory, per optimizer bucket of L elements, allocated at first use and kept: a staged gradient
-(L fp32) in steps with :data:`AVERAGE` work; a staged momentum (L fp32) and staged error buffers
-(N + N/n fp32 for the flat exchange, N = L padded) in steps with :data:`MOMENTUM` work. So about
-4 bytes per parameter in the warmup and (2 + 1/n)·4 bytes in the compression stage, on top of
-the optimizer's own m, v, e and f.
+per-parameter gradient hooks instead of DDP, and its averages and exchanges run on the
+optimizer's communication thread in a fixed exchange order
+(:class:`~commopt.optim.exchange_schedule.ExchangeSchedule`). What is staged, and what it costs
+in memory: :mod:`commopt.optim.staged`.
 """
 
 from __future__ import annotations
@@ -54,7 +45,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from commopt.compressed import NonFiniteError
+from commopt.optim.exchange_schedule import ExchangeSchedule
 from commopt.optim.flat_state import FlatState
+from commopt.optim.staged import StagedBuffers, StagedWork
 
 if TYPE_CHECKING:
     from commopt.optim.base import CompressedOptimizer
@@ -68,37 +61,6 @@ AVERAGE = "average"
 MOMENTUM = "momentum"
 
 
-class _Staged:
-    """One optimizer bucket's early work for one step."""
-
-    __slots__ = (
-        "arrived",
-        "averaged",
-        "exchanged",
-        "failed",
-        "folded",
-        "future",
-        "round",
-        "step",
-        "ticket",
-    )
-
-    def __init__(self, step: int, round_: int) -> None:
-        self.step = step
-        self.reset(round_)
-
-    def reset(self, round_: int) -> None:
-        """Start the bucket over (a later backward pass of the same step)."""
-        self.round = round_  # the backward pass (overlap's rounds of tickets) it belongs to
-        self.ticket: int | None = None  # its job's ticket on the communication thread
-        self.arrived: set[int] = set()  # parameter indices whose gradient is in the staged g
-        self.future: torch.futures.Future[torch.Tensor] | None = None  # the staged g's average
-        self.averaged: set[int] = set()  # bucket parameter indices whose gradient arrived averaged
-        self.folded: set[int] = set()  # parameter indices whose local gradient is in the staged m
-        self.exchanged = False  # the staged m has been through the compressed exchange
-        self.failed = False  # ... which found non-finite values on some rank (collective)
-
-
 class EarlyWork:
     """The staged early work of one optimizer (see the module docstring)."""
 
@@ -106,17 +68,10 @@ class EarlyWork:
         self._opt = optimizer
         self._layout: list[FlatState] | None = None
         self._where: dict[int, tuple[FlatState, int]] = {}  # id(param) → (bucket, index)
-        self._staged: dict[int, _Staged] = {}  # id(FlatState) → this step's work
-        self._momentum: dict[int, torch.Tensor] = {}  # id(FlatState) → staged m (kept)
-        self._grads: dict[int, torch.Tensor] = {}  # id(FlatState) → staged gradient (kept)
-        self._comm: dict[int, dict[str, torch.Tensor]] = {}  # id(FlatState) → staged e, f (kept)
-        # overlap=True: the communication thread's tickets (comm_thread.py)
-        self._round = 0  # backward passes whose tickets were reserved (a round each)
-        self._base: int | None = None  # first ticket of the open round (None: none reserved)
-        self._ticketed: set[int] = set()  # exchange positions given a job in the open round
-        self._position: dict[int, int] = {}  # id(FlatState) → position in the exchange order
-        self._order_fixed = False  # the order observed at the first step has been adopted
-        self._observed: list[int] = []  # bucket indices in the order they completed (step 1)
+        self._staged: dict[int, StagedWork] = {}  # id(FlatState) → this step's work
+        self._buffers = StagedBuffers()  # what the work writes, kept from step to step
+        # overlap=True: the jobs on the communication thread, in exchange order
+        self._schedule = ExchangeSchedule(lambda: optimizer._hooks.thread)
 
     # -- where a parameter lives ----------------------------------------------------------------
     def locate(self, p: torch.Tensor) -> tuple[FlatState, int] | None:
@@ -125,16 +80,12 @@ class EarlyWork:
         if states is not self._layout:  # laid out anew (first use, new group, loaded state)
             self.drain()  # nothing of the old layout may still be in flight
             self._layout = states
-            self._set_order(list(reversed(range(len(states)))))
-            self._order_fixed = False
-            self._observed.clear()
+            self._schedule.new_layout(states)
             self._where = {
                 id(p): (state, i) for state in states for i, p in enumerate(state.bucket.params)
             }
             self._staged.clear()
-            self._momentum.clear()
-            self._grads.clear()
-            self._comm.clear()
+            self._buffers.clear()
         return self._where.get(id(p))
 
     def next_step(self) -> int:
@@ -152,106 +103,68 @@ class EarlyWork:
             kinds.append(AVERAGE if where is None else self._opt._early_kind(where[0], step))
         return kinds
 
-    def _staged_for(self, state: FlatState) -> _Staged:
+    def _staged_for(self, state: FlatState) -> StagedWork:
         step = self.next_step()
         st = self._staged.get(id(state))
         if st is None or st.step != step:
-            st = self._staged[id(state)] = _Staged(step, self._round)
+            st = self._staged[id(state)] = StagedWork(step, self._schedule.round)
         return st
 
     # -- overlap: the communication thread, in a fixed exchange order ---------------------------
     @property
     def _thread(self) -> CommThread:
-        return self._opt._hooks.thread
+        return self._schedule.thread
 
-    def _set_order(self, order: list[int]) -> None:
-        """Bucket ``order[k]`` is the k-th to be exchanged (its ticket: the round's first + k)."""
-        states = self._layout or []
-        self._position = {id(states[b]): k for k, b in enumerate(order)}
-
-    def _restart(self, st: _Staged, seen: set[int], i: int) -> None:
+    def _restart(self, st: StagedWork, seen: set[int], i: int) -> None:
         """Before parameter ``i`` goes into the bucket's staged work (overlap): a bucket of an
         earlier backward pass of this step starts over; a parameter seen twice in this pass's
         round means a second synced backward pass, which opens a new round. Either way the
         bucket's job, if any, has to finish first: it reads the staged buffers."""
-        if st.round == self._round and i not in seen:
+        schedule = self._schedule
+        if st.round == schedule.round and i not in seen:
             return
-        if st.round == self._round:
-            self._close_round()
+        if st.round == schedule.round:
+            schedule.close_round()
         if st.ticket is not None:
-            self._thread.wait(st.ticket)
-        st.reset(self._round)
+            schedule.wait(st.ticket)
+        st.reset(schedule.round)
 
     def _submit(
         self,
         state: FlatState,
-        st: _Staged,
+        st: StagedWork,
         job: Callable[[], None],
         cancel: Callable[[BaseException], None] | None = None,
     ) -> None:
-        """Queue the bucket's job at its position of the open round (reserving the round's
-        tickets first if none are)."""
-        thread = self._thread
-        if self._base is None:
-            self._base = thread.reserve(len(self._layout or []))
-            self._ticketed.clear()
-        position = self._position[id(state)]
-        st.ticket = self._base + position
-        self._ticketed.add(position)
-        if not self._order_fixed:
-            self._observed.append(next(b for b, s in enumerate(self._layout or []) if s is state))
-        thread.submit(st.ticket, job, cancel, state.bucket.device)
-
-    def _close_round(self) -> None:
-        """No more jobs in the open round: its tickets without one run nothing."""
-        if self._base is not None:
-            for position in range(len(self._layout or [])):
-                if position not in self._ticketed:
-                    self._thread.skip(self._base + position)
-            self._base = None
-        self._round += 1
+        """Queue the bucket's job at its position of the open round."""
+        st.ticket = self._schedule.submit(state, job, cancel)
 
     def drain(self) -> None:
         """Close the open round and wait until the communication thread has run all of it;
         raise the error of any job that failed (after cancelling those behind it). Called by
         ``step()`` before it communicates, so its collectives follow the thread's."""
-        if not self._opt._overlap:
-            return
-        self._close_round()
-        self._thread.wait_all()
+        if self._opt._overlap:
+            self._schedule.drain()
 
     def settle(self) -> None:
         """Wait until the thread has run every job it can run now (not those behind a ticket
         still open) — for reading counters mid-step."""
         if self._opt._overlap:
-            self._thread.settle()
+            self._schedule.settle()
 
     def fix_order(self) -> None:
         """After the first overlapped step: exchange buckets in the order they completed,
         rank 0's order on every rank (one broadcast, once), then the rest in reverse layout
         order. Collective; every rank calls it from ``step()`` after the same-model check."""
-        if not self._opt._overlap or self._order_fixed or self._layout is None:
-            return
-        states = self._layout
-        order = list(dict.fromkeys(self._observed))
-        order += [b for b in reversed(range(len(states))) if b not in order]
-        backend = self._opt.backend
-        if backend.world_size > 1:
-            agreed = torch.tensor(order, dtype=torch.float32)  # fp32 moves on every backend
-            backend.broadcast(agreed, 0)
-            order = [int(b) for b in agreed.tolist()]
-        self._set_order(order)
-        self._order_fixed = True
-        self._observed.clear()
+        if self._opt._overlap and self._layout is not None:
+            self._schedule.fix_order(self._opt.backend)
 
     @property
     def exchange_order(self) -> list[int]:
         """Bucket indices in the order their exchanges run (overlap)."""
-        by_position = sorted((k, id_) for id_, k in self._position.items())
-        index = {id(s): b for b, s in enumerate(self._layout or [])}
-        return [index[id_] for _, id_ in by_position]
+        return self._schedule.exchange_order
 
-    def _current(self, state: FlatState, step: int) -> _Staged | None:
+    def _current(self, state: FlatState, step: int) -> StagedWork | None:
         st = self._staged.get(id(state))
         return st if st is not None and st.step == step else None
 
@@ -271,7 +184,7 @@ class EarlyWork:
         gradient and ``(k, start, numel)`` for each of ``params`` in it (k: position in
         ``params``, start: offset in the bucket). ``threaded`` (overlap): the averages run on
         the communication thread, in exchange order."""
-        touched: dict[int, tuple[FlatState, _Staged, list[tuple[int, int, int]]]] = {}
+        touched: dict[int, tuple[FlatState, StagedWork, list[tuple[int, int, int]]]] = {}
         for k, (p, g) in enumerate(zip(params, grads, strict=True)):
             where = self.locate(p)
             if where is None:
@@ -288,9 +201,7 @@ class EarlyWork:
                 st.future = None
             if st.future is None:
                 st.future = torch.futures.Future()
-            buf = self._grads.get(id(state))
-            if buf is None:
-                buf = self._grads[id(state)] = state.bucket.new_buffer()
+            buf = self._buffers.gradient(state)
             start, numel = state.bucket.offsets[i], p.numel()
             buf[start : start + numel].copy_(g.reshape(-1))
             st.arrived.add(i)
@@ -309,10 +220,10 @@ class EarlyWork:
                     self._start_average(state, st, threaded)
         return [(st.future, spans) for _, st, spans in touched.values()]  # type: ignore[misc]
 
-    def _start_average(self, state: FlatState, st: _Staged, threaded: bool = False) -> None:
+    def _start_average(self, state: FlatState, st: StagedWork, threaded: bool = False) -> None:
         from commopt.comm import all_reduce_async  # no import cycle at module load
 
-        buf = self._grads[id(state)]
+        buf = self._buffers.gradient(state)
         for i, p in enumerate(state.bucket.params):
             if i not in st.arrived:  # not in the DDP model: zero here, averaged by step()
                 start = state.bucket.offsets[i]
@@ -349,14 +260,14 @@ class EarlyWork:
         once. Collective: every rank folds the same parameters in the same order (DDP calls its
         hook bucket by bucket in the same order everywhere). ``threaded`` (overlap): the
         exchanges run on the communication thread, in exchange order."""
-        complete: list[tuple[FlatState, _Staged]] = []
+        complete: list[tuple[FlatState, StagedWork]] = []
         for p, g in zip(params, grads, strict=True):
             where = self.locate(p)
             if where is None:
                 raise RuntimeError("fold: the parameter does not belong to this optimizer")
             state, i = where
             st = self._staged_for(state)
-            self._grads.pop(id(state), None)  # 1-bit Adam never averages this bucket again
+            self._buffers.drop_gradient(state)  # 1-bit Adam never averages this bucket again
             if threaded:
                 self._restart(st, st.folded, i)
             elif i in st.folded:  # a second synced backward before step(): start the bucket over
@@ -376,9 +287,7 @@ class EarlyWork:
         """One parameter, with the arithmetic of ``adam_math.momentum_from_grads_`` (lerp, or
         m·β1 without a gradient), so that the result is the standalone optimizer's, bit for bit."""
         bucket = state.bucket
-        m = self._momentum.get(id(state))
-        if m is None:
-            m = self._momentum[id(state)] = torch.empty(bucket.numel, device=bucket.device)
+        m = self._buffers.momentum(state)
         start = bucket.offsets[i]
         p = bucket.params[i]
         dst = m[start : start + p.numel()].view(p.shape)
@@ -390,14 +299,10 @@ class EarlyWork:
         else:
             torch.lerp(src, g.reshape(p.shape).to(dst.dtype), 1 - beta1, out=dst)
 
-    def _exchange(self, state: FlatState, st: _Staged) -> None:
-        comm = self._comm.get(id(state))
-        if comm is None:
-            comm = self._comm[id(state)] = {k: torch.empty_like(v) for k, v in state.comm.items()}
-        for key, buf in state.comm.items():
-            comm[key].copy_(buf)
+    def _exchange(self, state: FlatState, st: StagedWork) -> None:
+        errors = self._buffers.errors_from(state)
         try:
-            self._opt._compress(state, self._momentum[id(state)], comm)
+            self._opt._compress(state, self._buffers.momentum(state), errors)
         except NonFiniteError:  # raised on every rank alike: the step will be skipped
             st.failed = True
         st.exchanged = True
@@ -432,7 +337,7 @@ class EarlyWork:
         if st is None or len(st.averaged) != len(state.bucket.params) or st.future is None:
             return None
         st.future.wait()
-        return self._grads[id(state)]
+        return self._buffers.gradient(state)
 
     def take_momentum(self, state: FlatState, step: int) -> bool:
         """Commit the bucket's exchanged momentum for step ``step`` into ``exp_avg`` and its
@@ -449,10 +354,8 @@ class EarlyWork:
             self._exchange(state, st)
         if st.failed:
             raise NonFiniteError([])
-        state.flat["exp_avg"].copy_(self._momentum[id(state)])
-        staged = self._comm[id(state)]
-        for key in state.comm:  # swap, not copy: the old buffers are next step's staging space
-            state.comm[key], staged[key] = staged[key], state.comm[key]
+        state.flat["exp_avg"].copy_(self._buffers.momentum(state))
+        self._buffers.swap_errors_into(state)
         del self._staged[id(state)]
         return True
 

@@ -15,7 +15,8 @@ import torch
 
 from commopt import NonFiniteError, compressed_allreduce, padded_size
 from commopt.comm import SingleProcessBackend
-from commopt.compressed import compression_bytes, econtrol_allreduce_
+from commopt.compressed import compression_bytes
+from commopt.econtrol import econtrol_allreduce_
 from commopt.exchange import Exchange, FlatExchange
 from tests.multirank.harness import run_ranks
 

@@ -23,7 +23,7 @@ from commopt.compressed import padded_size
 from commopt.kernels import SlowKernelsWarning, TorchKernels, get_kernels, use_kernels
 
 pytest.importorskip("numba", reason="numba is not installed (the `fast` extra); nothing to test")
-import commopt.kernels.numba_kernels as nk
+import commopt.kernels.numba_loops as loops
 from commopt.kernels.numba_kernels import NumbaKernels
 
 F32 = np.float32
@@ -260,6 +260,7 @@ def test_cpu_dispatch_prefers_numba(fresh_dispatch):
 def test_cpu_dispatch_falls_back_without_numba(fresh_dispatch, monkeypatch):
     monkeypatch.setitem(sys.modules, "numba", None)  # makes `import numba` raise ImportError
     monkeypatch.delitem(sys.modules, "commopt.kernels.numba_kernels", raising=False)
+    monkeypatch.delitem(sys.modules, "commopt.kernels.numba_loops", raising=False)
     # Falling back is announced once per process, with its cost and the fix (issue #11.1).
     with pytest.warns(SlowKernelsWarning, match=r"numba cannot be imported.*6-8x.*pip install"):
         chosen = get_kernels("cpu")
@@ -291,10 +292,10 @@ def test_warm_up_runs_every_kernel():
     """warm_up compiles (or loads from the cache) every loop compressed_allreduce uses."""
     FAST.warm_up()
     for fn in (
-        nk._scale_sum,
-        nk._pack_compensated,
-        nk._pack_update,
-        nk._server_average,
-        nk._unpack,
+        loops.scale_sum,
+        loops.pack_compensated,
+        loops.pack_update,
+        loops.server_average,
+        loops.unpack,
     ):
         assert fn.signatures, f"{fn.__name__} was not compiled by warm_up"

@@ -24,7 +24,7 @@ import torch
 pytest.importorskip("numba", reason="numba is not installed; nothing to test")
 import numba
 
-import commopt.kernels.numba_kernels as nk
+import commopt.kernels.numba_loops as loops
 from commopt.kernels.numba_kernels import NumbaKernels
 
 FAST = NumbaKernels()
@@ -35,10 +35,10 @@ ATTEMPTS = 60
 def test_every_compiled_loop_is_declared_nogil() -> None:
     dispatchers = {
         name: obj
-        for name, obj in vars(nk).items()
+        for name, obj in vars(loops).items()
         if isinstance(obj, numba.core.registry.CPUDispatcher)
     }
-    assert {"_scale_sum", "_pack_compensated", "_server_average", "_unpack"} <= set(dispatchers)
+    assert {"scale_sum", "pack_compensated", "server_average", "unpack"} <= set(dispatchers)
     assert {n: d.targetoptions.get("nogil") for n, d in dispatchers.items()} == dict.fromkeys(
         dispatchers, True
     )

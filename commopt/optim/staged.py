@@ -1,0 +1,107 @@
+r"""What the early work of :mod:`commopt.optim.early` writes instead of the optimizer's state.
+
+:class:`StagedWork` is one optimizer bucket's progress for one step (which gradients arrived,
+were averaged or folded; whether its exchange ran); :class:`StagedBuffers` are the buffers that
+work writes, kept from step to step.
+
+Memory, per optimizer bucket of L elements, allocated at first use and kept: a staged gradient
+(L fp32) in steps with :data:`~commopt.optim.early.AVERAGE` work; a staged momentum (L fp32) and
+staged error buffers (N + N/n fp32 for the flat exchange, N = L padded) in steps with
+:data:`~commopt.optim.early.MOMENTUM` work. So about 4 bytes per parameter in the warmup and
+(2 + 1/n)·4 bytes in the compression stage, on top of the optimizer's own m, v, e and f.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from commopt.optim.flat_state import FlatState
+
+__all__ = ["StagedBuffers", "StagedWork"]
+
+
+class StagedWork:
+    """One optimizer bucket's early work for one step."""
+
+    __slots__ = (
+        "arrived",
+        "averaged",
+        "exchanged",
+        "failed",
+        "folded",
+        "future",
+        "round",
+        "step",
+        "ticket",
+    )
+
+    def __init__(self, step: int, round_: int) -> None:
+        self.step = step
+        self.reset(round_)
+
+    def reset(self, round_: int) -> None:
+        """Start the bucket over (a later backward pass of the same step)."""
+        self.round = round_  # the backward pass (overlap's rounds of tickets) it belongs to
+        self.ticket: int | None = None  # its job's ticket on the communication thread
+        self.arrived: set[int] = set()  # parameter indices whose gradient is in the staged g
+        self.future: torch.futures.Future[torch.Tensor] | None = None  # the staged g's average
+        self.averaged: set[int] = set()  # bucket parameter indices whose gradient arrived averaged
+        self.folded: set[int] = set()  # parameter indices whose local gradient is in the staged m
+        self.exchanged = False  # the staged m has been through the compressed exchange
+        self.failed = False  # ... which found non-finite values on some rank (collective)
+
+
+class StagedBuffers:
+    """Per optimizer bucket: the staged gradient, momentum and error buffers (see the module
+    docstring for what they cost)."""
+
+    def __init__(self) -> None:
+        self._gradient: dict[int, torch.Tensor] = {}  # id(FlatState) → staged gradient
+        self._momentum: dict[int, torch.Tensor] = {}  # id(FlatState) → staged m
+        self._errors: dict[int, dict[str, torch.Tensor]] = {}  # id(FlatState) → staged e, f
+
+    def gradient(self, state: FlatState) -> torch.Tensor:
+        """The bucket's staged gradient, laid out like the bucket."""
+        buf = self._gradient.get(id(state))
+        if buf is None:
+            buf = self._gradient[id(state)] = state.bucket.new_buffer()
+        return buf
+
+    def drop_gradient(self, state: FlatState) -> None:
+        """Free the bucket's staged gradient (its steps no longer average gradients)."""
+        self._gradient.pop(id(state), None)
+
+    def momentum(self, state: FlatState) -> torch.Tensor:
+        """The bucket's staged momentum m' (fp32, the bucket's length)."""
+        m = self._momentum.get(id(state))
+        if m is None:
+            bucket = state.bucket
+            m = self._momentum[id(state)] = torch.empty(bucket.numel, device=bucket.device)
+        return m
+
+    def errors_from(self, state: FlatState) -> dict[str, torch.Tensor]:
+        """Staged copies of the bucket's committed error buffers (``state.comm``)."""
+        staged = self._errors.get(id(state))
+        if staged is None:
+            staged = self._errors[id(state)] = {
+                k: torch.empty_like(v) for k, v in state.comm.items()
+            }
+        for key, buf in state.comm.items():
+            staged[key].copy_(buf)
+        return staged
+
+    def swap_errors_into(self, state: FlatState) -> None:
+        """Commit the staged error buffers: swap, not copy, so the old buffers are the next
+        step's staging space."""
+        staged = self._errors[id(state)]
+        for key in state.comm:
+            state.comm[key], staged[key] = staged[key], state.comm[key]
+
+    def clear(self) -> None:
+        """Free everything (the buckets were laid out anew)."""
+        self._gradient.clear()
+        self._momentum.clear()
+        self._errors.clear()
