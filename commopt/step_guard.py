@@ -35,10 +35,24 @@ It is an intended difference from the papers and from DeepSpeed, which apply m/(
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 
-__all__ = ["STEP_GUARDS", "TINY_VARIANCE", "adam_step_bound", "bound_step_", "guarded_denominator"]
+from commopt.buckets import Segment
+
+if TYPE_CHECKING:
+    from commopt.optim.flat_state import FlatState
+
+__all__ = [
+    "STEP_GUARDS",
+    "TINY_VARIANCE",
+    "adam_step_bound",
+    "bound_step_",
+    "guarded_denominator",
+    "guarded_elements",
+    "step_bound",
+]
 
 STEP_GUARDS = (False, True, "tiny")
 """The values of the optimizers' ``step_guard``: off, every element, tiny-variance elements."""
@@ -125,3 +139,31 @@ def guarded_denominator(
     floor = m[where].abs().div_(bound)
     out[where] = torch.maximum(d[where], floor)
     return out
+
+
+def step_bound(
+    mode: bool | str, betas: tuple[float, float], bias_correction: bool = False
+) -> float:
+    """B(β1, β2) (:func:`adam_step_bound`) when the guard is on (``mode`` not False), else
+    ``math.inf``."""
+    if not mode:
+        return math.inf
+    return adam_step_bound(*betas, bias_correction)
+
+
+def guarded_elements(
+    mode: bool | str, state: FlatState, seg: Segment
+) -> torch.Tensor | slice | None:
+    """Which elements of segment ``seg`` of ``state`` the guard clamps: ``None`` (none: the
+    unguarded path, bit-identical to ``step_guard=False``), ``slice(None)`` (all, with
+    ``step_guard=True``) or their indices relative to the segment (``"tiny"``: v below
+    :data:`TINY_VARIANCE` of its tensor's mean)."""
+    if mode is False:
+        return None
+    if mode is True:
+        return slice(None)
+    tiny = state.tiny_variance(TINY_VARIANCE)
+    if tiny is None:
+        return None
+    where = tiny[(tiny >= seg.start) & (tiny < seg.stop)]
+    return where - seg.start if where.numel() else None

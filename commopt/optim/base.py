@@ -20,9 +20,7 @@ An algorithm subclass names its flat keys and implements ``_step(step)``.
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import math
 from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
 
@@ -39,20 +37,19 @@ from commopt.optim.config import ConfigAttributes
 from commopt.optim.early import EarlyWork
 from commopt.optim.flat_state import FlatState
 from commopt.optim.layout import BucketLayout
-from commopt.optim.overlap import GradientHooks
+from commopt.optim.overlap import BackwardWork, GradientHooks
 from commopt.optim.param_checks import check_param_group
 from commopt.optim.precision import master_weights, unscale_grads_
 from commopt.optim.resume import commopt_entry, keep_state_dtypes, split_commopt_entry
 from commopt.optim.user_warning import warn_skipped
 from commopt.optim.variance_guard import ZeroVarianceGuard, apply_exp_avg_mask_
-from commopt.step_guard import TINY_VARIANCE, adam_step_bound
 
 __all__ = ["TOPOLOGIES", "CompressedOptimizer"]
 
 TOPOLOGIES = ("flat", "hierarchical", "auto")
 
 
-class CompressedOptimizer(ConfigAttributes, torch.optim.Optimizer):
+class CompressedOptimizer(BackwardWork, ConfigAttributes, torch.optim.Optimizer):
     """Base class: subclasses implement ``_step(step)`` and name their flat state keys."""
 
     #: per-parameter fp32 state kept in flat bucket buffers, identical on all ranks
@@ -156,27 +153,6 @@ class CompressedOptimizer(ConfigAttributes, torch.optim.Optimizer):
         """The automatic freeze rule and its state (restored from ``global_state``)."""
         return self._freeze.rule
 
-    def _step_bound(self, group: dict[str, Any], bias_correction: bool = False) -> float:
-        """B(β1, β2) of :mod:`commopt.step_guard` with ``step_guard``, else ``math.inf``."""
-        if not self.config.step_guard:
-            return math.inf
-        return adam_step_bound(*group["betas"], bias_correction)
-
-    def _guard_where(self, state: FlatState, seg: Segment) -> torch.Tensor | slice | None:
-        """Which elements of segment ``seg`` the step guard clamps: ``None`` (none: the
-        unguarded path, bit-identical to ``step_guard=False``), ``slice(None)`` (all, with
-        ``step_guard=True``) or their indices relative to the segment (``"tiny"``)."""
-        mode = self.config.step_guard
-        if mode is False:
-            return None
-        if mode is True:
-            return slice(None)
-        tiny = state.tiny_variance(TINY_VARIANCE)
-        if tiny is None:
-            return None
-        where = tiny[(tiny >= seg.start) & (tiny < seg.stop)]
-        return where - seg.start if where.numel() else None
-
     @property
     def flat_states(self) -> list[FlatState]:
         """One :class:`FlatState` per bucket (laid out at the first use)."""
@@ -221,64 +197,6 @@ class CompressedOptimizer(ConfigAttributes, torch.optim.Optimizer):
         self._zero_variance_guard.apply_(state, flat, warn=self.backend.rank == 0)
 
     # -- work started before step(): the DDP hook (commopt.ddp) ---------------------------------
-    @property
-    def early_work(self) -> EarlyWork:
-        """Work a DDP communication hook started on this optimizer's buckets during backward,
-        staged until ``step()`` takes or skips the step (:mod:`commopt.optim.early`)."""
-        if self._early is None:
-            self._early = EarlyWork(self)
-        return self._early
-
-    def _early_kind(self, state: FlatState, step: int) -> str | None:
-        """What of step ``step`` may start during backward for this bucket: ``"average"``,
-        ``"momentum"`` (see :mod:`.early`) or None (nothing: ``step()`` communicates). An
-        algorithm that returns a kind must consume it: :meth:`_averaged_grads`,
-        :meth:`_take_exchanged_momentum`."""
-        del state, step
-        return None
-
-    def _averaged_grads(self, state: FlatState) -> torch.Tensor:
-        """The bucket's gradients averaged over all ranks at full precision, flat, in scratch
-        ``"grad"``; those a DDP hook already averaged are not averaged again."""
-        g = state.scratch("grad")
-        if self._overlap and self._early is not None:  # p.grad is local; the average is staged
-            staged = self._early.averaged_gradient(state, self._step_now)
-            if staged is not None:
-                return g.copy_(staged)
-        state.gather_grads(g)
-        done = set() if self._early is None else self._early.averaged(state, self._step_now)
-        if len(done) == len(state.bucket.params):
-            return g
-        self._average(g)
-        for i in done:  # a bucket partly outside the DDP model: restore what was averaged
-            p, start = state.bucket.params[i], state.bucket.offsets[i]
-            g[start : start + p.numel()].copy_(p.grad.reshape(-1))
-        return g
-
-    def _take_exchanged_momentum(self, state: FlatState) -> bool:
-        """Commit the momentum a DDP hook folded and exchanged for this bucket into
-        ``exp_avg`` (and its error buffers); False: none was, the algorithm does it now."""
-        return self._early is not None and self._early.take_momentum(state, self._step_now)
-
-    # -- overlap: the same early work, started from each parameter's gradient hook ------------
-    @property
-    def _overlap(self) -> bool:
-        return self._hooks.enabled
-
-    def _start_overlap(self) -> None:
-        """Start each bucket's work during backward (``overlap=True``; :mod:`.overlap`)."""
-        self._hooks.enable([p for g in self.param_groups for p in g["params"]])
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Backward passes inside start no communication (gradient accumulation with
-        ``overlap=True``: every pass but the last before ``step()``), like DDP's ``no_sync``."""
-        previous, self._hooks.paused = self._hooks.paused, True
-        try:
-            yield
-        finally:
-            self._hooks.paused = previous
-
     # -- torch.optim.Optimizer API ------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:

@@ -11,7 +11,7 @@ from commopt.optim.adam_math import adam_update_, momentum_from_grads_, update_m
 from commopt.optim.base import CompressedOptimizer
 from commopt.optim.config import OnebitAdamConfig, check_adam_arguments, document_schedule
 from commopt.optim.flat_state import FlatState
-from commopt.step_guard import guarded_denominator
+from commopt.step_guard import guarded_denominator, guarded_elements, step_bound
 
 __all__ = ["OnebitAdam"]
 
@@ -198,7 +198,7 @@ class OnebitAdam(CompressedOptimizer):
     def _apply_update(self, state: FlatState, t: int, freeze_step: float) -> None:
         """p ← p − η·(m̂/(√v̂ + ε) + λ·p), group by group, with v̂'s bias factor frozen too;
         with ``step_guard``, in the compression stage |m̂/(√v̂ + ε)| ≤ B(β1, β2) (on the
-        elements :meth:`_guard_where` names)."""
+        elements :func:`~commopt.step_guard.guarded_elements` names)."""
         variance_t = min(t, freeze_step)
         bias_sqrt, step_sizes, eps = [], [], []
         for _, group in self.segments(state):
@@ -210,11 +210,13 @@ class OnebitAdam(CompressedOptimizer):
         d = state.denominator(bias_sqrt, eps)
         m = state.flat["exp_avg"]
         for (seg, group), step_size in zip(self.segments(state), step_sizes, strict=True):
-            where = self._guard_where(state, seg) if t > freeze_step else None
+            where = (
+                guarded_elements(self.config.step_guard, state, seg) if t > freeze_step else None
+            )
             d_seg = d
             if where is not None:  # |m/d| ≤ B·lr/step_size, so that |m̂/d| ≤ B
                 d_seg = state.scratch("guard")  # the whole bucket: seg.views slices it
-                bound = self._step_bound(group, group["bias_correction"])
+                bound = step_bound(self.config.step_guard, group["betas"], group["bias_correction"])
                 sl = seg.slice
                 guarded_denominator(d_seg[sl], m[sl], d[sl], bound * group["lr"] / step_size, where)
             adam_update_(

@@ -16,7 +16,7 @@ from commopt.optim.adam_math import update_moments_
 from commopt.optim.base import CompressedOptimizer
 from commopt.optim.config import OnebitLambConfig, check_adam_arguments, document_schedule
 from commopt.optim.flat_state import FlatState
-from commopt.step_guard import bound_step_
+from commopt.step_guard import bound_step_, guarded_elements, step_bound
 
 __all__ = ["OnebitLamb"]
 
@@ -346,9 +346,9 @@ class OnebitLamb(CompressedOptimizer):
         for seg, group in self.segments(state):
             el = seg.slice
             torch.div(m[el], d[el], out=u[el])
-            where = self._guard_where(state, seg)
+            where = guarded_elements(self.config.step_guard, state, seg)
             if where is not None:
-                bound_step_(u[el], self._step_bound(group), where)
+                bound_step_(u[el], step_bound(self.config.step_guard, group["betas"]), where)
             if group["weight_decay"] != 0:
                 u[el].add_(p[el], alpha=group["weight_decay"])
         p_norm, u_norm = _norms(bucket, p), _norms(bucket, u)
@@ -377,9 +377,11 @@ class OnebitLamb(CompressedOptimizer):
             d_fresh = torch.sqrt(v_fresh[el], out=ratio[el]).add_(group["eps"])
             torch.div(d, d_fresh, out=ratio[el])
             torch.div(m[el], d, out=u[el])  # 8. u₀
-            where = self._guard_where(state, seg)  # commopt's guard (not in the paper)
+            where = guarded_elements(
+                self.config.step_guard, state, seg
+            )  # commopt's guard (not in the paper)
             if where is not None:
-                bound_step_(u[el], self._step_bound(group), where)
+                bound_step_(u[el], step_bound(self.config.step_guard, group["betas"]), where)
         factor = _per_tensor(torch._foreach_max, bucket.views(ratio), 1.0, m.device)
         if any(group["weight_decay"] > 0 for _, group in self.segments(state)):
             u0_norm = _norms(bucket, u)

@@ -18,18 +18,21 @@ optimizer's :class:`~commopt.optim.early.EarlyWork`.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from commopt.optim.comm_thread import CommThread
+from commopt.optim.early import EarlyWork
+from commopt.optim.flat_state import FlatState
 
 if TYPE_CHECKING:
     from commopt.optim.base import CompressedOptimizer
 
-__all__ = ["GradientHooks"]
+__all__ = ["BackwardWork", "GradientHooks"]
 
 
 class GradientHooks:
@@ -82,3 +85,78 @@ class GradientHooks:
             work.average([p], [p.grad], last=False, threaded=True)
         elif kind == "momentum":
             work.fold([p], [p.grad], threaded=True)
+
+
+class BackwardWork:
+    """The part of :class:`~commopt.optim.base.CompressedOptimizer` that lets a bucket's work
+    start during backward — from a DDP communication hook (:mod:`commopt.ddp`) or from the
+    gradient hooks above (``overlap=True``) — and hands it to the algorithm in ``step()``.
+
+    An algorithm opts in per bucket and step through :meth:`_early_kind` and consumes the work
+    through :meth:`_averaged_grads` and :meth:`_take_exchanged_momentum`.
+    """
+
+    _early: EarlyWork | None
+    _hooks: GradientHooks
+    _step_now: int
+
+    def _average(self, flat: torch.Tensor) -> torch.Tensor:  # pragma: no cover - base defines it
+        raise NotImplementedError
+
+    @property
+    def early_work(self) -> EarlyWork:
+        """Work a DDP communication hook started on this optimizer's buckets during backward,
+        staged until ``step()`` takes or skips the step (:mod:`commopt.optim.early`)."""
+        if self._early is None:
+            self._early = EarlyWork(self)
+        return self._early
+
+    def _early_kind(self, state: FlatState, step: int) -> str | None:
+        """What of step ``step`` may start during backward for this bucket: ``"average"``,
+        ``"momentum"`` (see :mod:`.early`) or None (nothing: ``step()`` communicates). An
+        algorithm that returns a kind must consume it: :meth:`_averaged_grads`,
+        :meth:`_take_exchanged_momentum`."""
+        del state, step
+        return None
+
+    def _averaged_grads(self, state: FlatState) -> torch.Tensor:
+        """The bucket's gradients averaged over all ranks at full precision, flat, in scratch
+        ``"grad"``; those a DDP hook already averaged are not averaged again."""
+        g = state.scratch("grad")
+        if self._overlap and self._early is not None:  # p.grad is local; the average is staged
+            staged = self._early.averaged_gradient(state, self._step_now)
+            if staged is not None:
+                return g.copy_(staged)
+        state.gather_grads(g)
+        done = set() if self._early is None else self._early.averaged(state, self._step_now)
+        if len(done) == len(state.bucket.params):
+            return g
+        self._average(g)
+        for i in done:  # a bucket partly outside the DDP model: restore what was averaged
+            p, start = state.bucket.params[i], state.bucket.offsets[i]
+            g[start : start + p.numel()].copy_(p.grad.reshape(-1))
+        return g
+
+    def _take_exchanged_momentum(self, state: FlatState) -> bool:
+        """Commit the momentum a DDP hook folded and exchanged for this bucket into
+        ``exp_avg`` (and its error buffers); False: none was, the algorithm does it now."""
+        return self._early is not None and self._early.take_momentum(state, self._step_now)
+
+    # -- overlap: the same early work, started from each parameter's gradient hook ------------
+    @property
+    def _overlap(self) -> bool:
+        return self._hooks.enabled
+
+    def _start_overlap(self) -> None:
+        """Start each bucket's work during backward (``overlap=True``; :mod:`.overlap`)."""
+        self._hooks.enable([p for g in self.param_groups for p in g["params"]])
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside start no communication (gradient accumulation with
+        ``overlap=True``: every pass but the last before ``step()``), like DDP's ``no_sync``."""
+        previous, self._hooks.paused = self._hooks.paused, True
+        try:
+            yield
+        finally:
+            self._hooks.paused = previous

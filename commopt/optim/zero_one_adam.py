@@ -15,7 +15,7 @@ from commopt.optim.base import CompressedOptimizer
 from commopt.optim.config import ZeroOneAdamConfig, check_adam_arguments, document_schedule
 from commopt.optim.flat_state import FlatState
 from commopt.optim.user_warning import warn_at_caller
-from commopt.step_guard import bound_step_, guarded_denominator
+from commopt.step_guard import bound_step_, guarded_denominator, guarded_elements, step_bound
 
 __all__ = ["ZeroOneAdam"]
 
@@ -310,9 +310,9 @@ class ZeroOneAdam(CompressedOptimizer):
                     m[seg.slice].zero_()
             acc.div_(self._frozen_denominator(state))
             for seg, group in self.segments(state):  # s lr-weighted steps of at most B each
-                where = self._guard_where(state, seg)
+                where = guarded_elements(self.config.step_guard, state, seg)
                 lrs = self.global_state["lrs"][seg.group]
-                bound = self._step_bound(group) * lrs
+                bound = step_bound(self.config.step_guard, group["betas"]) * lrs
                 if where is not None and lrs > 0 and math.isfinite(bound):
                     bound_step_(acc[seg.slice], bound, where)
             acc.add_(p_sync)
@@ -338,10 +338,16 @@ class ZeroOneAdam(CompressedOptimizer):
         m = state.flat["exp_avg"]
         for seg, group in self.segments(state):
             lr = group["lr"]
-            where = self._guard_where(state, seg)
+            where = guarded_elements(self.config.step_guard, state, seg)
             d_seg = d
             if where is not None:  # |m/d| ≤ B(β1, β2) there; every other element keeps its bits
                 d_seg = state.scratch("guard")  # the whole bucket: seg.views slices it
                 sl = seg.slice
-                guarded_denominator(d_seg[sl], m[sl], d[sl], self._step_bound(group), where)
+                guarded_denominator(
+                    d_seg[sl],
+                    m[sl],
+                    d[sl],
+                    step_bound(self.config.step_guard, group["betas"]),
+                    where,
+                )
             adam_update_(seg.params, seg.views(m), seg.views(d_seg), lr, group["weight_decay"], lr)
