@@ -66,7 +66,7 @@ def extrapolate(N=350e6, K=32, L=8, gbits=(10, 25), alpha_net=30e-6, alpha_loc=5
         t32 = dense_time(N, n, B, alpha_net)
         t16 = dense_time(N, n, B, alpha_net, 2)
         tf = flat_time(N, K, L, B, 4 * (n - 1) * alpha_net, c_flat, ring_gather=True)
-        th = hier_time(N, K, L, B, 3 * (K - 1) * alpha_net + 3 * (L - 1) * alpha_loc, c_hier, B_loc)
+        th = hier_time(N, K, L, B, 3 * (K - 1) * alpha_net + 4 * (L - 1) * alpha_loc, c_hier, B_loc)
         rows.append((g, K, L, t32, t16, tf, th))
     return rows
 

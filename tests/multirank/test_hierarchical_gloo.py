@@ -159,12 +159,13 @@ def test_matches_reference_and_is_identical_on_every_rank(placement: str) -> Non
                 )
                 assert recs[r]["s"][k] == pytest.approx(s_ref[r], rel=1e-5)
                 # Bytes per level: the cross level is SPEC §1 on the slice in three collectives
-                # ((s, the node's two (finite, numel) records) as 5 fp64, the sign all-to-all,
-                # server signs + scale as one byte buffer), the local level an fp32 all-to-all
-                # of (L−1)/L of the buffer, the gather of the 1-bit result, the 16-byte records.
+                # ((s, the node's two (finite, numel, safe) records) as 7 fp64, the sign
+                # all-to-all, server signs + scale as one byte buffer), the local level an fp32
+                # all-to-all of (L−1)/L of the buffer, the gather of the 1-bit result, the
+                # 16-byte records and the 8-byte safe? flag.
                 S = padded // 2
-                assert recs[r]["cross"][k] == compression_bytes(S, 2) - 16 + 4 + 40
-                assert recs[r]["local"][k] == 4 * padded // 2 + (S // 8 + 4 * 2) + 16
+                assert recs[r]["cross"][k] == compression_bytes(S, 2) - 16 + 4 + 56
+                assert recs[r]["local"][k] == 4 * padded // 2 + (S // 8 + 4 * 2) + 16 + 8
 
 
 # -- the same bits as the exchange composed of its public parts ---------------------------------
