@@ -55,13 +55,11 @@ class HierarchicalExchange:
     2. (y_j, s) = SPEC §1 on z over the cross group (local rank j of every node; cross rank = i),
        with worker error e (S elements) and server error f (S/K). S is a multiple of 8·K, so the
        cross level pads nothing and each of its K server chunks is S/(8K) whole bytes. First
-       one tiny all-gather inside the node of every local rank's "safe?" (s ≤ 2^127/K and
-       |f| ≤ 2^127: false when z or c = z + e overflowed fp32 from finite inputs, or the
-       server's c_s = a + f could). Then three collectives: the all-gather of the worker
-       scales also carries every node's records and safe? flags, so every rank checks lengths,
-       finiteness and safety of all n ranks there, before any state changes, and raises alike
-       (a flag known only to its own cross group would leave the other groups waiting in
-       step 3); the all-to-all of the signs; one byte all-gather of (server signs, scale).
+       a tiny all-gather inside the node of every local rank's safe? (:meth:`_node_safe`).
+       Then three collectives: the all-gather of the worker scales also carries every node's
+       records and safe? flags, so every rank checks all n ranks there, before any state
+       changes, and raises alike; the sign all-to-all; one byte all-gather of (server signs,
+       server scale).
     3. y_j is t_k·sgn over K chunks: those K chunks of signs (S/8 bytes, MSB first) and the K
        scales t_k, as the cross level's last all-gather delivered them, are all-gathered inside
        the node, and every rank unpacks all L·K chunks into the output: y = concat_j y_j, first
@@ -270,16 +268,10 @@ class HierarchicalExchange:
         return [(bool(ok), int(length)) for ok, length in node.view(-1, 2).tolist()]
 
     def _node_safe(self, s: torch.Tensor, f: torch.Tensor) -> list[bool]:
-        """Every local rank's "safe?" (one tiny all-gather inside the node): its worker scale s
-        is at most 2^127/K and its server error at most 2^127 in magnitude (NaN fails both).
-
-        The cross level sees only its own group's scales, so a scale that overflowed there
-        (z = node mean or c = z + e beyond fp32, from finite inputs) must reach the node's other
-        cross groups before any of them changes e or f. The bounds also keep the server finite:
-        |Σ ±s_i| ≤ K·2^127/K, |a| ≤ 2^126, |a + f| < 1.5·2^127 < fp32's largest value, and
-        t ≤ max|c_s|, s ≤ max|c| keep e and f finite; values near 1e38 are refused, never
-        turned into inf. Ordinary values (anything below 1e37) pass, with the same bits.
-        """
+        """Every local rank's safe? = s ≤ 2^127/K and max|f| ≤ 2^127 (NaN fails), in one tiny
+        all-gather inside the node: a scale overflowed from finite inputs (z or c = z + e) is
+        seen by its cross group only and must reach the node's other groups before any e or f
+        changes; the bounds keep a + f and every update finite (docs/hierarchical.md)."""
         limit = 2.0**127
         safe = bool(s[0] <= limit / self.num_nodes)
         if f.numel():
