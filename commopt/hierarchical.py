@@ -54,14 +54,16 @@ class HierarchicalExchange:
        fp32. (A node whose records already show a problem skips this.)
     2. (y_j, s) = SPEC §1 on z over the cross group (local rank j of every node; cross rank = i),
        with worker error e (S elements) and server error f (S/K). S is a multiple of 8·K, so the
-       cross level pads nothing and each of its K server chunks is S/(8K) whole bytes. Three
-       collectives: the all-gather of the worker scales also carries every node's records, so
-       every rank checks lengths and finiteness there, before any state changes, and raises
-       alike; the all-to-all of the signs; one byte all-gather of (server signs, server scale).
+       cross level pads nothing and each of its K server chunks is S/(8K) whole bytes. First
+       a tiny all-gather inside the node of every local rank's safe? (:meth:`_node_safe`).
+       Then three collectives: the all-gather of the worker scales also carries every node's
+       records and safe? flags, so every rank checks all n ranks there, before any state
+       changes, and raises alike; the sign all-to-all; one byte all-gather of (server signs,
+       server scale).
     3. y_j is t_k·sgn over K chunks: those K chunks of signs (S/8 bytes, MSB first) and the K
        scales t_k, as the cross level's last all-gather delivered them, are all-gathered inside
        the node, and every rank unpacks all L·K chunks into the output: y = concat_j y_j, first
-       numel elements. Six collectives per call, three of them across nodes (flat: four).
+       numel elements. Seven collectives per call, three of them across nodes (flat: four).
 
     Every rank of a node unpacks the same bytes, and step 2 is bit-identical across each cross
     group, so the output is bit-identical on all n ranks. With one node (K = 1) or one rank per
@@ -223,10 +225,12 @@ class HierarchicalExchange:
             s = kernels.scale(z, e)
         t1 = time.perf_counter()
 
-        # 2. across nodes: SPEC §1 on the slice. Its (s, L) all-gather also carries the node
-        #    records, so the agreement costs no collective of its own; the server signs and the
-        #    server scale travel as one byte buffer.
-        worker_scales = self._agree(s, node)
+        # 2. across nodes: SPEC §1 on the slice. First every rank of the node learns whether
+        #    every local rank's (s, f) is safe (one tiny local all-gather); the cross (s, L)
+        #    all-gather then carries those flags and the node records to every node, so all n
+        #    ranks raise alike before any state changes. The server signs and the server scale
+        #    travel as one byte buffer.
+        worker_scales = self._agree(s, node, self._node_safe(s, f))
         if numel == 0:
             return None
         bits, recv_bits, server, got = buf["bits"], buf["recv_bits"], buf["server"], buf["got"]
@@ -263,24 +267,41 @@ class HierarchicalExchange:
         self.local_backend.all_gather(node, mine)
         return [(bool(ok), int(length)) for ok, length in node.view(-1, 2).tolist()]
 
-    def _agree(self, s: torch.Tensor, node: list[tuple[bool, int]]) -> torch.Tensor:
-        """The cross level's all-gather of (s, this node's records): every rank then knows every
-        rank's (finite?, numel), raises alike before any state changes, and has the K worker
-        scales of its cross group (returned, fp32).
+    def _node_safe(self, s: torch.Tensor, f: torch.Tensor) -> list[bool]:
+        """Every local rank's safe? = s ≤ 2^127/K and max|f| ≤ 2^127 (NaN fails), in one tiny
+        all-gather inside the node: a scale overflowed from finite inputs (z or c = z + e) is
+        seen by its cross group only and must reach the node's other groups before any e or f
+        changes; the bounds keep a + f and every update finite (docs/hierarchical.md)."""
+        limit = 2.0**127
+        safe = bool(s[0] <= limit / self.num_nodes)
+        if f.numel():
+            safe = safe and bool(torch.linalg.vector_norm(f, ord=float("inf")) <= limit)
+        flags = torch.empty(self.local_size, dtype=torch.int64)
+        assert self.local_backend is not None
+        self.local_backend.all_gather(flags, torch.tensor([int(safe)], dtype=torch.int64))
+        return [bool(v) for v in flags.tolist()]
 
-        Unequal lengths → ``ValueError``, non-finite input → ``NonFiniteError(global ranks)``,
-        on every rank; a non-finite scale (norm overflow, finite inputs) raises
-        ``NonFiniteError`` with the ranks of that cross group, in that cross group.
+    def _agree(
+        self, s: torch.Tensor, node: list[tuple[bool, int]], safe: list[bool]
+    ) -> torch.Tensor:
+        """The cross level's all-gather of (s, this node's records and safe? flags): every rank
+        then knows every rank's (finite?, numel, safe?), raises alike before any state changes,
+        and has the K worker scales of its cross group (returned, fp32).
+
+        Unequal lengths → ``ValueError``; non-finite input → ``NonFiniteError(global ranks)``;
+        else a scale or server error out of bounds (:meth:`_node_safe`: an overflow from finite
+        inputs, in any cross group) → ``NonFiniteError`` naming those ranks; on every rank.
         """
         topo, cross = self.topology, self.cross_backend
         assert cross is not None
         K, L = topo.num_nodes, topo.local_size
-        mine = torch.tensor([float(s[0])] + [float(v) for rec in node for v in rec])
-        mine = mine.to(torch.float64)
-        everyone = torch.empty(K * (1 + 2 * L), dtype=torch.float64)
+        recs = [(ok, length, sf) for (ok, length), sf in zip(node, safe, strict=True)]
+        values = [float(s[0]), *(float(v) for rec in recs for v in rec)]
+        mine = torch.tensor(values, dtype=torch.float64)  # numel exact up to 2^53
+        everyone = torch.empty(K * (1 + 3 * L), dtype=torch.float64)
         cross.all_gather(everyone, mine)
-        table = everyone.view(K, 1 + 2 * L)
-        records = table[:, 1:].reshape(K, L, 2).tolist()
+        table = everyone.view(K, 1 + 3 * L)
+        records = table[:, 1:].reshape(K, L, 3).tolist()
         by_rank = {topo.nodes[i][j]: records[i][j] for i in range(K) for j in range(L)}
         rows = [by_rank[r] for r in range(topo.world_size)]
         lengths = [int(r[1]) for r in rows]
@@ -292,12 +313,10 @@ class HierarchicalExchange:
         bad = [r for r, row in enumerate(rows) if not row[0]]
         if bad:
             raise NonFiniteError(bad)
-        scales = table[:, 0].to(torch.float32)
-        if lengths[0] and not bool(torch.isfinite(scales).all()):
-            raise NonFiniteError(
-                [topo.nodes[i][topo.local_rank] for i in range(K) if not torch.isfinite(scales[i])]
-            )
-        return scales
+        unsafe = [r for r, row in enumerate(rows) if not row[2]]
+        if lengths[0] and unsafe:
+            raise NonFiniteError(unsafe)
+        return table[:, 0].to(torch.float32)
 
     def _buffers(self, numel: int, padded: int, device: torch.device) -> dict[str, Any]:
         """Scratch per bucket size, kept between calls (the pad tail of ``send`` is zeroed once

@@ -8,11 +8,12 @@ For K nodes × L ranks (n = K·L), N elements per rank, per call:
   Flat, direct exchange: W = 2·(K−1)/K · L · N/8; with gloo's ring all-gather the all-gather half
   is (n−1)/n · N/8 per node instead. Hierarchical: W = 2·(K−1)/K · N/8 (L times less).
 - m: collectives in sequence (flat 4: scales+length, signs all-to-all, server signs, server
-  scales; hierarchical 6: inside the node the agreement gather, the reduce-scatter and the
-  gather of the 1-bit result, across it scales+agreement, signs all-to-all, server signs+scale),
+  scales; hierarchical 7: inside the node the agreement gather, the safe? gather, the
+  reduce-scatter and the gather of the 1-bit result, across it scales+agreement, signs
+  all-to-all, server signs+scale),
   α: what one costs beyond its bytes (latency, synchronisation; on a loaded machine the wait for
   every participant to be scheduled). For many ranks the ring steps count: flat 4·(n−1)·α,
-  hierarchical 3·(K−1)·α across and 3·(L−1)·α_loc inside.
+  hierarchical 3·(K−1)·α across and 4·(L−1)·α_loc inside.
 - C: CPU (or GPU) time of the per-element work; V = (L−1)/L · 4N bytes moved by the local level.
 
 ``python experiments/hierarchical/cost_model.py [--validate run.json ...]`` prints the
@@ -66,7 +67,7 @@ def extrapolate(N=350e6, K=32, L=8, gbits=(10, 25), alpha_net=30e-6, alpha_loc=5
         t32 = dense_time(N, n, B, alpha_net)
         t16 = dense_time(N, n, B, alpha_net, 2)
         tf = flat_time(N, K, L, B, 4 * (n - 1) * alpha_net, c_flat, ring_gather=True)
-        th = hier_time(N, K, L, B, 3 * (K - 1) * alpha_net + 3 * (L - 1) * alpha_loc, c_hier, B_loc)
+        th = hier_time(N, K, L, B, 3 * (K - 1) * alpha_net + 4 * (L - 1) * alpha_loc, c_hier, B_loc)
         rows.append((g, K, L, t32, t16, tf, th))
     return rows
 

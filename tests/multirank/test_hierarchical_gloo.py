@@ -159,12 +159,13 @@ def test_matches_reference_and_is_identical_on_every_rank(placement: str) -> Non
                 )
                 assert recs[r]["s"][k] == pytest.approx(s_ref[r], rel=1e-5)
                 # Bytes per level: the cross level is SPEC §1 on the slice in three collectives
-                # ((s, the node's two (finite, numel) records) as 5 fp64, the sign all-to-all,
-                # server signs + scale as one byte buffer), the local level an fp32 all-to-all
-                # of (L−1)/L of the buffer, the gather of the 1-bit result, the 16-byte records.
+                # ((s, the node's two (finite, numel, safe) records) as 7 fp64, the sign
+                # all-to-all, server signs + scale as one byte buffer), the local level an fp32
+                # all-to-all of (L−1)/L of the buffer, the gather of the 1-bit result, the
+                # 16-byte records and the 8-byte safe? flag.
                 S = padded // 2
-                assert recs[r]["cross"][k] == compression_bytes(S, 2) - 16 + 4 + 40
-                assert recs[r]["local"][k] == 4 * padded // 2 + (S // 8 + 4 * 2) + 16
+                assert recs[r]["cross"][k] == compression_bytes(S, 2) - 16 + 4 + 56
+                assert recs[r]["local"][k] == 4 * padded // 2 + (S // 8 + 4 * 2) + 16 + 8
 
 
 # -- the same bits as the exchange composed of its public parts ---------------------------------
@@ -427,3 +428,56 @@ def test_wrong_topology_inputs() -> None:
                 2: "rank 1 of 2, cross_backend rank 0 of 2",
             }
             assert f"local_backend is {here[rank]}; expected" in errors[4]
+
+
+# -- overflow from finite inputs: one cross group's scale, or one server's c_s -------------------
+OVERFLOW_TIMEOUT = 40.0  # a rank left waiting in a collective would sit there far longer
+
+
+def _overflow_in_one_cross_group(backend, case: str):
+    """Rank r = (node r // 2, local rank r % 2); 1001 elements, S = 512, M = 256. ``z``: node 0
+    puts 3e38 at element 700 (slice 1) on both ranks, its node mean overflows; ``e``: rank 3's
+    worker error 3e38 meets a node mean of 1e38 in slice 1; ``f``: rank 0's server error holds
+    3.4e38 and every worker scale is 1e33, so c_s = a + f overflows in fp32."""
+    ex = _exchange(backend, "blocks")
+    state = {k: torch.zeros(v) for k, v in ex.state_numels(1001).items()}
+    ex.allreduce_(_inputs(backend.rank, 0, 1001), state)  # non-zero errors
+    sane = {k: v.clone() for k, v in state.items()}
+    x = _inputs(backend.rank, 1, 1001)
+    if case == "z" and backend.rank in (0, 1):
+        x[700] = 3e38
+    if case == "e" and backend.rank in (2, 3):
+        x[522] = 1e38
+    if case == "e" and backend.rank == 3:
+        state["worker_error"][10] = 3e38
+    if case == "f":
+        x.fill_(1e33)
+        if backend.rank == 0:
+            state["server_error"][5] = 3.4e38
+    before = {k: v.clone() for k, v in state.items()}
+    try:
+        ex.allreduce_(x, state)
+        return None
+    except NonFiniteError as err:
+        ranks = err.ranks
+    untouched = all(torch.equal(state[k], before[k]) for k in state)
+    # The next call, from the state before the bad values, is the call a fresh state gives.
+    state = {k: v.clone() for k, v in sane.items()}
+    again = {k: v.clone() for k, v in sane.items()}
+    y, y_again = _inputs(backend.rank, 2, 1001), _inputs(backend.rank, 2, 1001)
+    ex.allreduce_(y, state)
+    ex.allreduce_(y_again, again)
+    same = torch.equal(y, y_again) and all(torch.equal(state[k], again[k]) for k in state)
+    return ranks, untouched, same, y
+
+
+@pytest.mark.parametrize(("case", "bad_rank"), [("z", 1), ("e", 3), ("f", 0)])
+def test_overflow_from_finite_inputs_raises_on_every_rank_and_leaves_state(
+    case: str, bad_rank: int
+) -> None:
+    results = run_ranks(_overflow_in_one_cross_group, 4, case, timeout=OVERFLOW_TIMEOUT)
+    for res in results:
+        assert res is not None, f"{case}: a rank returned without NonFiniteError"
+        ranks, untouched, same, y = res
+        assert ranks == [bad_rank] and untouched and same
+        assert bool(torch.isfinite(y).all()) and torch.equal(y, results[0][3])
