@@ -144,6 +144,12 @@ def main() -> None:
                 f,
                 indent=1,
             )
+    # The framework created the process group, so it is ours to end: a group still alive at
+    # interpreter teardown can abort the process ("terminate called without an active
+    # exception") while gloo's threads are destroyed (docs/ddp.md, "Ending the run").
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

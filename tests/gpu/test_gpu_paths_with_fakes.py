@@ -135,7 +135,16 @@ class FakeComm:
 
 @pytest.fixture
 def fake_mpi(monkeypatch):
-    mpi = types.SimpleNamespace(IN_PLACE=object(), SUM="sum", MAX="max", MIN="min")
+    mpi = types.SimpleNamespace(
+        IN_PLACE=object(),
+        SUM="sum",
+        MAX="max",
+        MIN="min",
+        # one thread inside MPI only: the non-blocking collectives fall back to blocking calls
+        THREAD_SINGLE=0,
+        THREAD_MULTIPLE=3,
+        Query_thread=lambda: 0,
+    )
     monkeypatch.setattr(mpi_backend, "_import_mpi", lambda: mpi)
     return mpi
 
