@@ -294,7 +294,9 @@ class EarlyWork:
         src = state.flat["exp_avg"][start : start + p.numel()].view(p.shape)
         beta1 = _beta1_of(self._opt, state, i)
         # one pass, out of place: the kernels of lerp_/mul_, so the same bits
-        if g is None:
+        if g is None and self._opt._fold_missing_as_zero:
+            torch.lerp(src, torch.zeros_like(dst), 1 - beta1, out=dst)
+        elif g is None:
             torch.mul(src, beta1, out=dst)
         else:
             torch.lerp(src, g.reshape(p.shape).to(dst.dtype), 1 - beta1, out=dst)
@@ -302,7 +304,7 @@ class EarlyWork:
     def _exchange(self, state: FlatState, st: StagedWork) -> None:
         errors = self._buffers.errors_from(state)
         try:
-            self._opt._compress(state, self._buffers.momentum(state), errors)
+            self._opt._early_exchange(state, self._buffers.momentum(state), errors, st.step)
         except NonFiniteError:  # raised on every rank alike: the step will be skipped
             st.failed = True
         st.exchanged = True

@@ -137,6 +137,24 @@ class BackwardWork:
             g[start : start + p.numel()].copy_(p.grad.reshape(-1))
         return g
 
+    #: a parameter without a gradient folds as g = 0 through ``lerp`` (1-bit LAMB's
+    #: ``gather_grads``), not as m·β1 (1-bit Adam's ``momentum_from_grads_``)
+    _fold_missing_as_zero = False
+
+    def _early_exchange(
+        self, state: FlatState, m: torch.Tensor, errors: dict[str, torch.Tensor], step: int
+    ) -> None:
+        """The compressed exchange of a staged momentum m' (in place) with the staged error
+        buffers, for step ``step``: what the algorithm's ``step()`` would run on m'. 1-bit
+        Adam: the exchange itself; 1-bit LAMB scales by σ around it."""
+        del step
+        self._compress(state, m, errors)
+
+    def _compress(  # pragma: no cover - base defines it
+        self, state: FlatState, flat: torch.Tensor, comm: dict[str, torch.Tensor] | None = None
+    ) -> torch.Tensor:
+        raise NotImplementedError
+
     def _take_exchanged_momentum(self, state: FlatState) -> bool:
         """Commit the momentum a DDP hook folded and exchanged for this bucket into
         ``exp_avg`` (and its error buffers); False: none was, the algorithm does it now."""

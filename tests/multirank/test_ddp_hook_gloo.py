@@ -39,7 +39,7 @@ OPTIMIZERS = {
     "OnebitAdam": lambda p, be: commopt.OnebitAdam(
         p, lr=0.02, freeze_step=FREEZE, weight_decay=0.01, backend=be
     ),
-    # warmup through the hook; the compression stage communicates in step()
+    # warmup (average) and compression stage (fold, σ-scaled 1-bit exchange) through the hook
     "OnebitLamb": lambda p, be: commopt.OnebitLamb(
         p, lr=0.02, freeze_step=FREEZE, weight_decay=0.01, backend=be
     ),
@@ -168,16 +168,20 @@ def _check_replicas(results):
             assert torch.equal(r["replicas"][0], replica)
 
 
+@pytest.mark.parametrize("name", ["OnebitAdam", "OnebitLamb"])
 @pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize(
     ("bucket_cap_mb", "opt_bucket"),
     [(25.0, None), (1e-4, None), (1e-4, 100)],
     ids=["one-ddp-bucket", "ddp-bucket-per-tensor", "several-optimizer-buckets"],
 )
-def test_hook_equals_standalone_onebit_adam_every_step(bucket_cap_mb, opt_bucket, world_size):
+def test_hook_equals_standalone_every_step(bucket_cap_mb, opt_bucket, world_size, name):
     # At 4 ranks too: the hook averages (warmup) and exchanges (compression) the optimizer's
-    # buckets, never DDP's, so the reduction order is the standalone optimizer's.
-    results = run_ranks(_train, world_size, bucket_cap_mb, opt_bucket, timeout=TIMEOUT)
+    # buckets, never DDP's, so the reduction order is the standalone optimizer's. 1-bit LAMB
+    # scales by σ around its exchange, frozen at step FREEZE + 1 from the committed momenta.
+    results = run_ranks(
+        _train, world_size, bucket_cap_mb, opt_bucket, 1, 0, False, name, timeout=TIMEOUT
+    )
     _check_replicas(results)
     for r in results:
         # warmup (steps 1-3) and compression (4-8): parameters identical after every step
@@ -190,8 +194,9 @@ def test_hook_equals_standalone_onebit_adam_every_step(bucket_cap_mb, opt_bucket
     assert results[0]["buckets"] == (4 if opt_bucket else 1)
 
 
-def test_no_sync_accumulation_communicates_nothing_and_equals_standalone():
-    results = run_ranks(_train, 2, 1e-4, 100, 3, timeout=TIMEOUT)
+@pytest.mark.parametrize("name", ["OnebitAdam", "OnebitLamb"])
+def test_no_sync_accumulation_communicates_nothing_and_equals_standalone(name):
+    results = run_ranks(_train, 2, 1e-4, 100, 3, 0, False, name, timeout=TIMEOUT)
     _check_replicas(results)
     for r in results:
         assert r["calls_in_no_sync"] == [0] * (2 * STEPS)
@@ -199,11 +204,13 @@ def test_no_sync_accumulation_communicates_nothing_and_equals_standalone():
         assert r["states_equal"]
 
 
-@pytest.mark.parametrize("bad_step", [2, 6], ids=["warmup", "compression"])
-def test_nonfinite_gradient_on_one_rank_skips_everywhere_untouched(bad_step):
+@pytest.mark.parametrize("name", ["OnebitAdam", "OnebitLamb"])
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("bad_step", [2, 4, 6], ids=["warmup", "first-compression", "later"])
+def test_nonfinite_gradient_on_one_rank_skips_everywhere_untouched(bad_step, world_size, name):
     # Several optimizer buckets: those without the inf are exchanged during backward and must
-    # be dropped, not committed, when the step is skipped.
-    results = run_ranks(_train, 2, 1e-4, 100, 1, bad_step, timeout=TIMEOUT)
+    # be dropped, not committed, when the step is skipped (1-bit LAMB at step 4: σ too).
+    results = run_ranks(_train, world_size, 1e-4, 100, 1, bad_step, False, name, timeout=TIMEOUT)
     _check_replicas(results)
     for r in results:
         assert r["untouched_at_bad"] is True
@@ -212,11 +219,12 @@ def test_nonfinite_gradient_on_one_rank_skips_everywhere_untouched(bad_step):
         assert r["states_equal"]
 
 
+@pytest.mark.parametrize("name", ["OnebitAdam", "OnebitLamb"])
 @pytest.mark.parametrize("opt_bucket", [None, 100], ids=["one-optimizer-bucket", "several"])
-def test_optimizer_parameter_outside_ddp_model(opt_bucket):
+def test_optimizer_parameter_outside_ddp_model(opt_bucket, name):
     # The optimizer also owns a parameter DDP never sees: its bucket is completed by step()
     # (warmup: averaged there; compression: folded and exchanged there), still bit-identical.
-    results = run_ranks(_train, 2, 1e-4, opt_bucket, 2, 0, True, timeout=TIMEOUT)
+    results = run_ranks(_train, 2, 1e-4, opt_bucket, 2, 0, True, name, timeout=TIMEOUT)
     _check_replicas(results)
     for r in results:
         assert r["same_as_plain"] == [True] * STEPS, r["same_as_plain"]

@@ -9,20 +9,27 @@ from __future__ import annotations
 
 import torch
 
-from tests.multirank.test_ddp_hook_gloo import STEPS, _train
+from tests.multirank.test_ddp_hook_gloo import FREEZE, STEPS, _train
 
 
 def test_hook_with_mpi_backend_equals_standalone(torch_backend, mpi_backend, allgather):
     del torch_backend  # DDP's process group (gloo); the optimizers use MPI
     onebit = _train(mpi_backend, 1e-4, 100, 2)  # several buckets, 2 passes per step
     lamb = _train(mpi_backend, 1e-4, None, 1, 0, False, "OnebitLamb")
-    everyone = allgather((onebit, lamb))
-    for onebit, lamb in everyone:
-        for r in (onebit, lamb):
+    # 1-bit LAMB's compression stage through the hook: several buckets, 2 passes per step, an
+    # inf on rank 1 at the first compression step (σ is frozen then)
+    lamb_more = _train(mpi_backend, 1e-4, 100, 2, FREEZE + 1, False, "OnebitLamb")
+    everyone = allgather((onebit, lamb, lamb_more))
+    for onebit, lamb, lamb_more in everyone:
+        for r in (onebit, lamb, lamb_more):
             assert r["same_as_plain"] == [True] * STEPS, r["same_as_plain"]
             assert r["states_equal"]
             for replica in r["replicas"][1:]:
                 assert torch.equal(r["replicas"][0], replica)
-        assert onebit["calls_in_no_sync"] == [0] * STEPS
-        assert onebit["compressed_in_step"] == [0] * STEPS
-        assert onebit["full_in_step"] == [0] * STEPS
+        for r in (onebit, lamb_more):
+            assert r["calls_in_no_sync"] == [0] * STEPS
+        for r in (onebit, lamb, lamb_more):
+            assert r["compressed_in_step"] == [0] * STEPS
+            assert r["full_in_step"] == [0] * STEPS
+        assert lamb_more["untouched_at_bad"] is True
+        assert lamb_more["skipped"] == lamb_more["skipped_ref"] == 1
