@@ -83,7 +83,7 @@ class GradientHooks:
         kind = work.plan([p])[0]
         if kind == "average" and work.locate(p) is not None:
             work.average([p], [p.grad], last=False, threaded=True)
-        elif kind == "momentum":
+        elif kind in ("momentum", "gradient"):
             work.fold([p], [p.grad], threaded=True)
 
 
@@ -113,9 +113,10 @@ class BackwardWork:
 
     def _early_kind(self, state: FlatState, step: int) -> str | None:
         """What of step ``step`` may start during backward for this bucket: ``"average"``,
-        ``"momentum"`` (see :mod:`.early`) or None (nothing: ``step()`` communicates). An
-        algorithm that returns a kind must consume it: :meth:`_averaged_grads`,
-        :meth:`_take_exchanged_momentum`."""
+        ``"momentum"``, ``"gradient"`` (see :mod:`.early`) or None (nothing: ``step()``
+        communicates). An algorithm that returns a kind must consume it:
+        :meth:`_averaged_grads`, :meth:`_take_exchanged_momentum`,
+        :meth:`_take_exchanged_gradient`."""
         del state, step
         return None
 
@@ -159,6 +160,13 @@ class BackwardWork:
         """Commit the momentum a DDP hook folded and exchanged for this bucket into
         ``exp_avg`` (and its error buffers); False: none was, the algorithm does it now."""
         return self._early is not None and self._early.take_momentum(state, self._step_now)
+
+    def _take_exchanged_gradient(self, state: FlatState) -> torch.Tensor | None:
+        """The bucket's local gradient exchanged at one bit during backward (``"gradient"``),
+        its error buffers committed; None: it was not, the algorithm does it now."""
+        if self._early is None:
+            return None
+        return self._early.take_gradient(state, self._step_now)
 
     # -- overlap: the same early work, started from each parameter's gradient hook ------------
     @property
