@@ -64,7 +64,7 @@ import torch.distributed as dist
 
 from commopt.comm import all_reduce_async
 from commopt.optim.base import CompressedOptimizer
-from commopt.optim.early import AVERAGE, MOMENTUM
+from commopt.optim.early import AVERAGE, GRADIENT, MOMENTUM
 
 __all__ = ["OnebitHookState", "onebit_hook"]
 
@@ -149,8 +149,9 @@ def onebit_hook(
     """DDP communication hook for commopt optimizers (see the module docstring).
 
     1. Ask the optimizer what its next step does with each parameter of the bucket.
-    2. Fold the local gradients of the "momentum" parameters into their staged momentum;
-       an optimizer bucket whose parameters are now all folded is exchanged at one bit.
+    2. Fold the local gradients of the "momentum" parameters into their staged momentum
+       (copy those of the "gradient" parameters into the same staged buffer); an optimizer
+       bucket whose parameters are now all folded is exchanged at one bit.
     3. Stage the gradients of the "average" parameters in their optimizer buckets; start the
        average of every optimizer bucket now complete (at DDP's last bucket: of every one
        begun). Average the parameters this optimizer does not own on DDP's layout.
@@ -178,7 +179,7 @@ def onebit_hook(
     # 1.
     kinds = work.plan(params)
     # 2.
-    fold = [i for i, k in enumerate(kinds) if k == MOMENTUM]
+    fold = [i for i, k in enumerate(kinds) if k in (MOMENTUM, GRADIENT)]
     if fold:
         work.fold([params[i] for i in fold], [buffer[slices[i]] for i in fold])
     # 3.

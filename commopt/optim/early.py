@@ -21,6 +21,12 @@ Two kinds of early work, named by the algorithm for each bucket and step
   parameter of the optimizer bucket is folded, runs the compressed exchange on m' with *staged
   error buffers* (copies of e and f). ``step()`` copies m' into m and swaps the staged error
   buffers in (:meth:`EarlyWork.take_momentum`), or drops everything when the step is skipped.
+  1-bit LAMB's compression stage is the same fold, its exchange scaled by σ around it
+  (``_early_exchange``).
+- :data:`GRADIENT`: the step exchanges this rank's gradient at one bit (0/1 Adam's 1-bit
+  steps). The hook copies g into the same staged buffer as a momentum and exchanges it once
+  the bucket is complete, on staged error buffers; ``step()`` takes the exchanged gradient
+  (:meth:`EarlyWork.take_gradient`) and swaps the staged error buffers in.
 
 The exchange always runs on the optimizer's own buckets, never on DDP's: the compressed
 average of a buffer depends on its layout (one scale per buffer, server chunks), so working
@@ -53,12 +59,14 @@ if TYPE_CHECKING:
     from commopt.optim.base import CompressedOptimizer
     from commopt.optim.comm_thread import CommThread
 
-__all__ = ["AVERAGE", "MOMENTUM", "EarlyWork"]
+__all__ = ["AVERAGE", "GRADIENT", "MOMENTUM", "EarlyWork"]
 
 #: the step averages the gradient at full precision; the hook may do it
 AVERAGE = "average"
 #: the step folds the local gradient into the momentum and exchanges the momentum at one bit
 MOMENTUM = "momentum"
+#: the step exchanges this rank's gradient at one bit; the hook may do it on a staged copy
+GRADIENT = "gradient"
 
 
 class EarlyWork:
@@ -94,8 +102,8 @@ class EarlyWork:
 
     def plan(self, params: Sequence[torch.Tensor]) -> list[str | None]:
         """Per parameter: :data:`AVERAGE` (average its gradient now: its step does so, or this
-        optimizer does not own it, so its owner expects DDP's average), :data:`MOMENTUM`, or
-        ``None`` (leave the gradient local: ``step()`` communicates)."""
+        optimizer does not own it, so its owner expects DDP's average), :data:`MOMENTUM`,
+        :data:`GRADIENT`, or ``None`` (leave the gradient local: ``step()`` communicates)."""
         step = self.next_step()
         kinds: list[str | None] = []
         for p in params:
@@ -256,10 +264,11 @@ class EarlyWork:
         self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], threaded: bool = False
     ) -> None:
         """m' ← β1·m + (1−β1)·g into the staged momentum, g being this rank's gradient of each
-        parameter; every optimizer bucket whose parameters are now all folded is exchanged at
-        once. Collective: every rank folds the same parameters in the same order (DDP calls its
-        hook bucket by bucket in the same order everywhere). ``threaded`` (overlap): the
-        exchanges run on the communication thread, in exchange order."""
+        parameter (:data:`GRADIENT` steps: g itself); every optimizer bucket whose parameters
+        are now all folded is exchanged at once. Collective: every rank folds the same
+        parameters in the same order (DDP calls its hook bucket by bucket in the same order
+        everywhere). ``threaded`` (overlap): the exchanges run on the communication thread, in
+        exchange order."""
         complete: list[tuple[FlatState, StagedWork]] = []
         for p, g in zip(params, grads, strict=True):
             where = self.locate(p)
@@ -267,13 +276,14 @@ class EarlyWork:
                 raise RuntimeError("fold: the parameter does not belong to this optimizer")
             state, i = where
             st = self._staged_for(state)
-            self._buffers.drop_gradient(state)  # 1-bit Adam never averages this bucket again
+            if self._opt._early_kind(state, st.step) == MOMENTUM:
+                self._buffers.drop_gradient(state)  # no later step averages this bucket again
             if threaded:
                 self._restart(st, st.folded, i)
             elif i in st.folded:  # a second synced backward before step(): start the bucket over
                 st.folded.clear()
                 st.exchanged = st.failed = False
-            self._fold_one(state, i, g)
+            self._fold_one(state, i, g, st.step)
             st.folded.add(i)
             if len(st.folded) == len(state.bucket.params):
                 complete.append((state, st))
@@ -283,18 +293,27 @@ class EarlyWork:
             else:
                 self._exchange(state, st)
 
-    def _fold_one(self, state: FlatState, i: int, g: torch.Tensor | None) -> None:
+    def _fold_one(self, state: FlatState, i: int, g: torch.Tensor | None, step: int) -> None:
         """One parameter, with the arithmetic of ``adam_math.momentum_from_grads_`` (lerp, or
-        m·β1 without a gradient), so that the result is the standalone optimizer's, bit for bit."""
+        m·β1 without a gradient), so that the result is the standalone optimizer's, bit for bit
+        (:data:`GRADIENT`: g, or 0 without a gradient, as ``FlatState.gather_grads``)."""
         bucket = state.bucket
         m = self._buffers.momentum(state)
         start = bucket.offsets[i]
         p = bucket.params[i]
         dst = m[start : start + p.numel()].view(p.shape)
+        if self._opt._early_kind(state, step) == GRADIENT:
+            if g is None:
+                dst.zero_()
+            else:
+                dst.copy_(g.reshape(p.shape))
+            return
         src = state.flat["exp_avg"][start : start + p.numel()].view(p.shape)
         beta1 = _beta1_of(self._opt, state, i)
         # one pass, out of place: the kernels of lerp_/mul_, so the same bits
-        if g is None:
+        if g is None and self._opt._fold_missing_as_zero:
+            torch.lerp(src, torch.zeros_like(dst), 1 - beta1, out=dst)
+        elif g is None:
             torch.mul(src, beta1, out=dst)
         else:
             torch.lerp(src, g.reshape(p.shape).to(dst.dtype), 1 - beta1, out=dst)
@@ -302,7 +321,7 @@ class EarlyWork:
     def _exchange(self, state: FlatState, st: StagedWork) -> None:
         errors = self._buffers.errors_from(state)
         try:
-            self._opt._compress(state, self._buffers.momentum(state), errors)
+            self._opt._early_exchange(state, self._buffers.momentum(state), errors, st.step)
         except NonFiniteError:  # raised on every rank alike: the step will be skipped
             st.failed = True
         st.exchanged = True
@@ -344,20 +363,33 @@ class EarlyWork:
         staged error buffers into the exchange state; False when no momentum was started early
         (the algorithm then does the whole thing itself). A bucket only partly folded (some of
         its parameters are not in the DDP model) is completed first, from ``p.grad``."""
+        m = self._take(state, step)
+        if m is None:
+            return False
+        state.flat["exp_avg"].copy_(m)
+        return True
+
+    def take_gradient(self, state: FlatState, step: int) -> torch.Tensor | None:
+        """:data:`GRADIENT`: the bucket's gradient exchanged at one bit for step ``step`` (a
+        staged buffer, the algorithm's until the next backward), its staged error buffers
+        committed; None when nothing was started early. Completed first like
+        :meth:`take_momentum`."""
+        return self._take(state, step)
+
+    def _take(self, state: FlatState, step: int) -> torch.Tensor | None:
         st = self._current(state, step)
         if st is None or not st.folded:
-            return False
+            return None
         if not st.exchanged:
             for i, p in enumerate(state.bucket.params):
                 if i not in st.folded:
-                    self._fold_one(state, i, p.grad)
+                    self._fold_one(state, i, p.grad, step)
             self._exchange(state, st)
         if st.failed:
             raise NonFiniteError([])
-        state.flat["exp_avg"].copy_(self._buffers.momentum(state))
         self._buffers.swap_errors_into(state)
         del self._staged[id(state)]
-        return True
+        return self._buffers.momentum(state)
 
     def clear(self) -> None:
         """Drop all staged work (the step was taken or skipped, or the state was reloaded),

@@ -241,11 +241,31 @@ class OnebitLamb(CompressedOptimizer):
                 for state in warm:
                     state.buffer("exp_avg_sq_fresh").copy_(state.flat["exp_avg_sq"])
 
+    _fold_missing_as_zero = True  # _exchange_momentum folds gather_grads' zeros through lerp
+
     def _early_kind(self, state: FlatState, step: int) -> str | None:
-        """A DDP hook may average the warmup's gradients (commopt.ddp). The compression stage
-        communicates in ``step()``: its σ scaling and one fused exchange need every tensor."""
+        """A DDP hook may average the warmup's gradients and, in the compression stage, fold
+        the local gradient into a staged momentum and exchange it scaled by σ (commopt.ddp):
+        both depend on the gradient and the committed state alone."""
         t = step - self.first_step(state)
-        return "average" if t <= self.frozen_after() else None
+        return "average" if t <= self.frozen_after() else "momentum"
+
+    def _early_exchange(
+        self, state: FlatState, m: torch.Tensor, errors: dict[str, torch.Tensor], step: int
+    ) -> None:
+        """Steps 3–5 on a staged m' = β1·m + (1−β1)·g: m' ← C(m'·σ)/σ. At the first
+        compression step, before ``step()`` has frozen σ, it is the σ ``step()`` will freeze,
+        computed from the committed momenta of every bucket freezing then (nothing is
+        committed here); inside ``step()`` (a bucket completed there) σ is already frozen."""
+        sigma = state.scalars["scaling_coeff"]
+        freeze_step = self.frozen_after()
+        before_step = self.global_state["step"] < step
+        if before_step and step - self.first_step(state) == freeze_step + 1:
+            freezing = [s for s in self.flat_states if step - self.first_step(s) == freeze_step + 1]
+            sigma = self._scaling_coeffs(freezing)[freezing.index(state)]
+        _scale_tensors(state.bucket, m, sigma)
+        self._compress(state, m, errors)
+        _scale_tensors(state.bucket, m, sigma, divide=True)
 
     def _warmup_step(self, state: FlatState, keep_fresh: bool) -> None:
         """LAMB on the averaged gradient; the trust ratios feed the EMA c̄."""
@@ -273,9 +293,15 @@ class OnebitLamb(CompressedOptimizer):
         if keep_fresh:
             state.buffer("exp_avg_sq_fresh").copy_(v)
 
-    @staticmethod
-    def _freeze_scaling_coeffs(states: list[FlatState]) -> None:
+    @classmethod
+    def _freeze_scaling_coeffs(cls, states: list[FlatState]) -> None:
         """σ_k = mean_j(ρ_j)/ρ_k, ρ_k = ‖m_k‖/√numel_k, over every tensor of these buckets."""
+        for state, sigma in zip(states, cls._scaling_coeffs(states), strict=True):
+            state.scalars["scaling_coeff"].copy_(sigma)
+
+    @staticmethod
+    def _scaling_coeffs(states: list[FlatState]) -> list[torch.Tensor]:
+        """σ of each of these buckets from their committed momenta (nothing is written)."""
         rms, sizes = [], []
         for state in states:
             bucket = state.bucket
@@ -285,9 +311,9 @@ class OnebitLamb(CompressedOptimizer):
         count = sum(len(r) for r in nonempty)
         # ρ of a tensor with no elements is undefined: it takes no part in the mean.
         mean = torch.cat(nonempty).sum() / count if count else torch.tensor(0.0)
-        for state, r in zip(states, rms, strict=True):
-            sigma = torch.where(r > 0, mean.to(r.device) / torch.where(r > 0, r, 1.0), 1.0)
-            state.scalars["scaling_coeff"].copy_(sigma)
+        return [
+            torch.where(r > 0, mean.to(r.device) / torch.where(r > 0, r, 1.0), 1.0) for r in rms
+        ]
 
     def _compressed_step(self, states: list[tuple[FlatState, bool]]) -> None:
         """SPEC §3 steps 1–10. Every bucket's momentum is exchanged before any is used, so a
@@ -318,17 +344,22 @@ class OnebitLamb(CompressedOptimizer):
     def _exchange_momentum(
         self, state: FlatState, done: list[tuple[FlatState, dict[str, torch.Tensor]]], several: bool
     ) -> None:
-        """Steps 1 and 3–5: m_prev = m; m ← C((β1·m + (1−β1)·g)·σ)/σ ⊙ mask."""
+        """Steps 1 and 3–5: m_prev = m; m ← C((β1·m + (1−β1)·g)·σ)/σ ⊙ mask (or the m' a
+        DDP hook folded and exchanged during backward, :meth:`_early_exchange`)."""
         m = state.flat["exp_avg"]
         state.scratch("work").copy_(m)  # 1. m_prev
+        # With several buckets, an earlier bucket's error buffers must be restorable if a later
+        # exchange finds non-finite values; with one, the exchange leaves them untouched itself.
+        saved = {k: v.clone() for k, v in state.comm.items()} if several else {}
+        if self._take_exchanged_momentum(state):  # 3.–5. done during backward
+            done.append((state, saved))
+            self._mask(state, m)
+            return
         g = state.gather_grads(state.scratch("grad"))
         for seg, group in self.segments(state):  # 3.
             update_moments_(m[seg.slice], None, g[seg.slice], group["betas"][0], 0.0)
         sigma = state.scalars["scaling_coeff"]
         _scale_tensors(state.bucket, m, sigma)
-        # With several buckets, an earlier bucket's error buffers must be restorable if a later
-        # exchange finds non-finite values; with one, the exchange leaves them untouched itself.
-        saved = {k: v.clone() for k, v in state.comm.items()} if several else {}
         self._compress(state, m)  # 4. one call for the whole bucket
         done.append((state, saved))
         _scale_tensors(state.bucket, m, sigma, divide=True)  # 5.

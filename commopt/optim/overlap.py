@@ -83,7 +83,7 @@ class GradientHooks:
         kind = work.plan([p])[0]
         if kind == "average" and work.locate(p) is not None:
             work.average([p], [p.grad], last=False, threaded=True)
-        elif kind == "momentum":
+        elif kind in ("momentum", "gradient"):
             work.fold([p], [p.grad], threaded=True)
 
 
@@ -113,9 +113,10 @@ class BackwardWork:
 
     def _early_kind(self, state: FlatState, step: int) -> str | None:
         """What of step ``step`` may start during backward for this bucket: ``"average"``,
-        ``"momentum"`` (see :mod:`.early`) or None (nothing: ``step()`` communicates). An
-        algorithm that returns a kind must consume it: :meth:`_averaged_grads`,
-        :meth:`_take_exchanged_momentum`."""
+        ``"momentum"``, ``"gradient"`` (see :mod:`.early`) or None (nothing: ``step()``
+        communicates). An algorithm that returns a kind must consume it:
+        :meth:`_averaged_grads`, :meth:`_take_exchanged_momentum`,
+        :meth:`_take_exchanged_gradient`."""
         del state, step
         return None
 
@@ -137,10 +138,35 @@ class BackwardWork:
             g[start : start + p.numel()].copy_(p.grad.reshape(-1))
         return g
 
+    #: a parameter without a gradient folds as g = 0 through ``lerp`` (1-bit LAMB's
+    #: ``gather_grads``), not as m·β1 (1-bit Adam's ``momentum_from_grads_``)
+    _fold_missing_as_zero = False
+
+    def _early_exchange(
+        self, state: FlatState, m: torch.Tensor, errors: dict[str, torch.Tensor], step: int
+    ) -> None:
+        """The compressed exchange of a staged momentum m' (in place) with the staged error
+        buffers, for step ``step``: what the algorithm's ``step()`` would run on m'. 1-bit
+        Adam: the exchange itself; 1-bit LAMB scales by σ around it."""
+        del step
+        self._compress(state, m, errors)
+
+    def _compress(  # pragma: no cover - base defines it
+        self, state: FlatState, flat: torch.Tensor, comm: dict[str, torch.Tensor] | None = None
+    ) -> torch.Tensor:
+        raise NotImplementedError
+
     def _take_exchanged_momentum(self, state: FlatState) -> bool:
         """Commit the momentum a DDP hook folded and exchanged for this bucket into
         ``exp_avg`` (and its error buffers); False: none was, the algorithm does it now."""
         return self._early is not None and self._early.take_momentum(state, self._step_now)
+
+    def _take_exchanged_gradient(self, state: FlatState) -> torch.Tensor | None:
+        """The bucket's local gradient exchanged at one bit during backward (``"gradient"``),
+        its error buffers committed; None: it was not, the algorithm does it now."""
+        if self._early is None:
+            return None
+        return self._early.take_gradient(state, self._step_now)
 
     # -- overlap: the same early work, started from each parameter's gradient hook ------------
     @property

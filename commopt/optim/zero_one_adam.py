@@ -189,10 +189,14 @@ class ZeroOneAdam(CompressedOptimizer):
         return step > self.frozen_after() and step % gs["local_interval"] == 0
 
     def _early_kind(self, state: FlatState, step: int) -> str | None:
-        """A DDP hook may average a variance step's gradients (commopt.ddp); the other steps
-        communicate in ``step()``."""
+        """A DDP hook may average a variance step's gradients and exchange a 1-bit step's
+        local gradient at one bit (commopt.ddp); the phase-B steps (local and sync) run in
+        ``step()``: a sync step exchanges the parameters after this step's local update,
+        which needs lr and weight decay as ``step()`` reads them (docs/ddp.md)."""
         del state
-        return "average" if self._is_variance_step(step) else None
+        if self._is_variance_step(step):
+            return "average"
+        return "gradient" if step <= self.frozen_after() else None
 
     def _communicates(self, step: int) -> bool:
         return step <= self.frozen_after() or self._is_sync_step(step)
@@ -225,8 +229,10 @@ class ZeroOneAdam(CompressedOptimizer):
             if variance:  # 1. a full-precision average updates both moments
                 g = self._averaged_grads(state)  # (a DDP hook may have averaged it already)
             else:  # 2. the local gradient at one bit (at n = 1 g itself: nothing is dropped)
-                g = state.gather_grads(state.scratch("grad"))
-                self._compress(state, g)
+                g = self._take_exchanged_gradient(state)  # (a DDP hook may have done it)
+                if g is None:
+                    g = state.gather_grads(state.scratch("grad"))
+                    self._compress(state, g)
                 self._mask(state, g)
             for seg, group in self.segments(state):
                 beta1, beta2 = group["betas"]

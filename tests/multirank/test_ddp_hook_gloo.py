@@ -39,11 +39,12 @@ OPTIMIZERS = {
     "OnebitAdam": lambda p, be: commopt.OnebitAdam(
         p, lr=0.02, freeze_step=FREEZE, weight_decay=0.01, backend=be
     ),
-    # warmup through the hook; the compression stage communicates in step()
+    # warmup (average) and compression stage (fold, σ-scaled 1-bit exchange) through the hook
     "OnebitLamb": lambda p, be: commopt.OnebitLamb(
         p, lr=0.02, freeze_step=FREEZE, weight_decay=0.01, backend=be
     ),
-    # variance steps (1, 2, 4) through the hook; 1-bit, local and sync steps in step()
+    # variance steps (1, 2, 4) averaged and 1-bit steps (3, 5) exchanged through the hook;
+    # phase B (6-8: sync, local, sync) in step()
     "ZeroOneAdam": lambda p, be: commopt.ZeroOneAdam(
         p,
         lr=0.02,
@@ -168,16 +169,20 @@ def _check_replicas(results):
             assert torch.equal(r["replicas"][0], replica)
 
 
+@pytest.mark.parametrize("name", ["OnebitAdam", "OnebitLamb"])
 @pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize(
     ("bucket_cap_mb", "opt_bucket"),
     [(25.0, None), (1e-4, None), (1e-4, 100)],
     ids=["one-ddp-bucket", "ddp-bucket-per-tensor", "several-optimizer-buckets"],
 )
-def test_hook_equals_standalone_onebit_adam_every_step(bucket_cap_mb, opt_bucket, world_size):
+def test_hook_equals_standalone_every_step(bucket_cap_mb, opt_bucket, world_size, name):
     # At 4 ranks too: the hook averages (warmup) and exchanges (compression) the optimizer's
-    # buckets, never DDP's, so the reduction order is the standalone optimizer's.
-    results = run_ranks(_train, world_size, bucket_cap_mb, opt_bucket, timeout=TIMEOUT)
+    # buckets, never DDP's, so the reduction order is the standalone optimizer's. 1-bit LAMB
+    # scales by σ around its exchange, frozen at step FREEZE + 1 from the committed momenta.
+    results = run_ranks(
+        _train, world_size, bucket_cap_mb, opt_bucket, 1, 0, False, name, timeout=TIMEOUT
+    )
     _check_replicas(results)
     for r in results:
         # warmup (steps 1-3) and compression (4-8): parameters identical after every step
@@ -190,8 +195,9 @@ def test_hook_equals_standalone_onebit_adam_every_step(bucket_cap_mb, opt_bucket
     assert results[0]["buckets"] == (4 if opt_bucket else 1)
 
 
-def test_no_sync_accumulation_communicates_nothing_and_equals_standalone():
-    results = run_ranks(_train, 2, 1e-4, 100, 3, timeout=TIMEOUT)
+@pytest.mark.parametrize("name", ["OnebitAdam", "OnebitLamb", "ZeroOneAdam"])
+def test_no_sync_accumulation_communicates_nothing_and_equals_standalone(name):
+    results = run_ranks(_train, 2, 1e-4, 100, 3, 0, False, name, timeout=TIMEOUT)
     _check_replicas(results)
     for r in results:
         assert r["calls_in_no_sync"] == [0] * (2 * STEPS)
@@ -199,12 +205,40 @@ def test_no_sync_accumulation_communicates_nothing_and_equals_standalone():
         assert r["states_equal"]
 
 
-@pytest.mark.parametrize("bad_step", [2, 6], ids=["warmup", "compression"])
-def test_nonfinite_gradient_on_one_rank_skips_everywhere_untouched(bad_step):
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize(
+    ("name", "bad_step"),
+    [
+        ("OnebitAdam", 2),
+        ("OnebitAdam", 4),
+        ("OnebitAdam", 6),
+        ("OnebitLamb", 2),
+        ("OnebitLamb", 4),
+        ("OnebitLamb", 6),
+        ("ZeroOneAdam", 2),
+        ("ZeroOneAdam", 3),
+        ("ZeroOneAdam", 5),
+        ("ZeroOneAdam", 6),
+    ],
+    ids=[
+        "OnebitAdam-warmup",
+        "OnebitAdam-first-compression",
+        "OnebitAdam-compression",
+        "OnebitLamb-warmup",
+        "OnebitLamb-first-compression",
+        "OnebitLamb-compression",
+        "ZeroOneAdam-variance",
+        "ZeroOneAdam-1bit",
+        "ZeroOneAdam-last-1bit",
+        "ZeroOneAdam-sync",
+    ],
+)
+def test_nonfinite_gradient_on_one_rank_skips_everywhere_untouched(bad_step, world_size, name):
     # Several optimizer buckets: those without the inf are exchanged during backward and must
-    # be dropped, not committed, when the step is skipped.
-    results = run_ranks(_train, 2, 1e-4, 100, 1, bad_step, timeout=TIMEOUT)
-    _check_replicas(results)
+    # be dropped, not committed, when the step is skipped (1-bit LAMB at step 4: σ too).
+    results = run_ranks(_train, world_size, 1e-4, 100, 1, bad_step, False, name, timeout=TIMEOUT)
+    if name != "ZeroOneAdam":  # its replicas part between syncs; the skip moves the schedule
+        _check_replicas(results)
     for r in results:
         assert r["untouched_at_bad"] is True
         assert r["skipped"] == r["skipped_ref"] == 1
@@ -212,11 +246,12 @@ def test_nonfinite_gradient_on_one_rank_skips_everywhere_untouched(bad_step):
         assert r["states_equal"]
 
 
+@pytest.mark.parametrize("name", ["OnebitAdam", "OnebitLamb", "ZeroOneAdam"])
 @pytest.mark.parametrize("opt_bucket", [None, 100], ids=["one-optimizer-bucket", "several"])
-def test_optimizer_parameter_outside_ddp_model(opt_bucket):
+def test_optimizer_parameter_outside_ddp_model(opt_bucket, name):
     # The optimizer also owns a parameter DDP never sees: its bucket is completed by step()
     # (warmup: averaged there; compression: folded and exchanged there), still bit-identical.
-    results = run_ranks(_train, 2, 1e-4, opt_bucket, 2, 0, True, timeout=TIMEOUT)
+    results = run_ranks(_train, 2, 1e-4, opt_bucket, 2, 0, True, name, timeout=TIMEOUT)
     _check_replicas(results)
     for r in results:
         assert r["same_as_plain"] == [True] * STEPS, r["same_as_plain"]
@@ -263,17 +298,26 @@ def test_parameters_of_another_optimizer_get_ddp_average():
         assert [c[1] for c in checks] == [False, True, True]
 
 
-@pytest.mark.parametrize("name", ["OnebitLamb", "ZeroOneAdam"])
-def test_hook_with_lamb_and_zero_one_adam_equals_standalone(name):
-    # Their full-precision steps go through the hook; the rest keep local gradients in DDP
-    # and communicate in step(), as without DDP. Bit-identical either way, at 4 ranks too.
-    results = run_ranks(_train, 4, 1e-4, None, 1, 0, False, name, timeout=TIMEOUT)
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize(
+    ("bucket_cap_mb", "opt_bucket"),
+    [(25.0, None), (1e-4, None), (1e-4, 100)],
+    ids=["one-ddp-bucket", "ddp-bucket-per-tensor", "several-optimizer-buckets"],
+)
+def test_hook_with_zero_one_adam_equals_standalone(bucket_cap_mb, opt_bucket, world_size):
+    # Variance steps (1, 2, 4) averaged and 1-bit steps (3, 5) exchanged through the hook;
+    # phase B keeps local gradients in DDP and communicates in step() (sync steps 6 and 8).
+    results = run_ranks(
+        _train, world_size, bucket_cap_mb, opt_bucket, 1, 0, False, "ZeroOneAdam", timeout=TIMEOUT
+    )
     _check_replicas(results)
     for r in results:
-        # 3 full-precision steps (LAMB: 1-3; 0/1 Adam: variance steps 1, 2, 4): the standalone
-        # optimizer averages in step(), the DDP one never does (the hook did)
-        assert r["full_rounds_ref"] == 3
-        assert r["full_in_step"] == [0] * STEPS
+        buckets = r["buckets"]
+        assert r["full_rounds_ref"] == 3 * buckets  # the standalone optimizer averages in step()
+        assert r["full_in_step"] == [0] * STEPS  # the DDP one never does (the hook did)
+        # 1-bit steps exchanged during backward; only the sync steps exchange in step()
+        assert r["compressed_in_step"] == [0, 0, 0, 0, 0, buckets, 0, buckets]
+        assert r["compressed_rounds"] == 4 * buckets
         assert r["same_as_plain"] == [True] * STEPS, r["same_as_plain"]
         assert r["states_equal"]
 
