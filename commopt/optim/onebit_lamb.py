@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
 
-from commopt.buckets import Bucket
 from commopt.comm import Backend
 from commopt.compressed import NonFiniteError
 from commopt.freeze import variance_level
@@ -16,40 +14,10 @@ from commopt.optim.adam_math import update_moments_
 from commopt.optim.base import CompressedOptimizer
 from commopt.optim.config import OnebitLambConfig, check_adam_arguments, document_schedule
 from commopt.optim.flat_state import FlatState
+from commopt.optim.per_tensor import per_tensor, scale_tensors_, tensor_norms, tensor_ranges
 from commopt.step_guard import bound_step_, guarded_elements, step_bound
 
 __all__ = ["OnebitLamb"]
-
-
-def _per_tensor(
-    reduce: Callable[[list[torch.Tensor]], tuple[torch.Tensor, ...]],
-    views: list[torch.Tensor],
-    empty: float,
-    device: torch.device,
-) -> torch.Tensor:
-    """One fp32 value per tensor: ``reduce`` over the non-empty views, ``empty`` for the rest."""
-    out = torch.full((len(views),), empty, device=device)
-    index = [i for i, v in enumerate(views) if v.numel()]
-    if index:
-        out[index] = torch.stack(reduce([views[i] for i in index])).float()
-    return out
-
-
-def _norms(bucket: Bucket, flat: torch.Tensor) -> torch.Tensor:
-    """‖x_k‖₂ of every tensor k of the bucket (0 for empty tensors)."""
-    return _per_tensor(torch._foreach_norm, bucket.views(flat), 0.0, flat.device)
-
-
-def _scale_tensors(
-    bucket: Bucket, flat: torch.Tensor, per_tensor: torch.Tensor, divide: bool = False
-) -> None:
-    """x_k ← x_k·per_tensor[k] (or x_k/per_tensor[k]) for every tensor k, in place.
-
-    The same fp32 operation per element as with per_tensor expanded to the bucket's length,
-    without writing that N-element buffer first.
-    """
-    scale_ = torch._foreach_div_ if divide else torch._foreach_mul_
-    scale_(bucket.views(flat), list(per_tensor.unbind()))
 
 
 @document_schedule
@@ -263,9 +231,20 @@ class OnebitLamb(CompressedOptimizer):
         if before_step and step - self.first_step(state) == freeze_step + 1:
             freezing = [s for s in self.flat_states if step - self.first_step(s) == freeze_step + 1]
             sigma = self._scaling_coeffs(freezing)[freezing.index(state)]
-        _scale_tensors(state.bucket, m, sigma)
+        self._compress_scaled(state, m, sigma, errors)
+
+    def _compress_scaled(
+        self,
+        state: FlatState,
+        m: torch.Tensor,
+        sigma: torch.Tensor,
+        errors: dict[str, torch.Tensor] | None = None,
+    ) -> None:
+        """Steps 4–5: m ← C(m·σ)/σ, one compressed call for the whole bucket (with this rank's
+        error buffers, or the staged ones of a DDP hook)."""
+        scale_tensors_(state.bucket, m, sigma)
         self._compress(state, m, errors)
-        _scale_tensors(state.bucket, m, sigma, divide=True)
+        scale_tensors_(state.bucket, m, sigma, divide=True)
 
     def _warmup_step(self, state: FlatState, keep_fresh: bool) -> None:
         """LAMB on the averaged gradient; the trust ratios feed the EMA c̄."""
@@ -281,7 +260,7 @@ class OnebitLamb(CompressedOptimizer):
             torch.div(m[el], u[el], out=u[el])
             if group["weight_decay"] != 0:
                 u[el].add_(p[el], alpha=group["weight_decay"])
-        p_norm, u_norm = _norms(bucket, p), _norms(bucket, u)
+        p_norm, u_norm = tensor_norms(bucket, p), tensor_norms(bucket, u)
         ratio = p_norm / torch.where(u_norm > 0, u_norm, 1.0)
         c = ratio.clamp_(cfg.min_coeff, cfg.max_coeff)
         c = torch.where((p_norm > 0) & (u_norm > 0), c, 1.0)
@@ -306,7 +285,7 @@ class OnebitLamb(CompressedOptimizer):
         for state in states:
             bucket = state.bucket
             sizes.append(torch.tensor([p.numel() for p in bucket.params], device=bucket.device))
-            rms.append(_norms(bucket, state.flat["exp_avg"]) / sizes[-1].clamp(min=1).sqrt())
+            rms.append(tensor_norms(bucket, state.flat["exp_avg"]) / sizes[-1].clamp(min=1).sqrt())
         nonempty = [(r[s > 0]).cpu() for r, s in zip(rms, sizes, strict=True)]
         count = sum(len(r) for r in nonempty)
         # ρ of a tensor with no elements is undefined: it takes no part in the mean.
@@ -358,11 +337,8 @@ class OnebitLamb(CompressedOptimizer):
         g = state.gather_grads(state.scratch("grad"))
         for seg, group in self.segments(state):  # 3.
             update_moments_(m[seg.slice], None, g[seg.slice], group["betas"][0], 0.0)
-        sigma = state.scalars["scaling_coeff"]
-        _scale_tensors(state.bucket, m, sigma)
-        self._compress(state, m)  # 4. one call for the whole bucket
+        self._compress_scaled(state, m, state.scalars["scaling_coeff"])  # 4.–5.
         done.append((state, saved))
-        _scale_tensors(state.bucket, m, sigma, divide=True)  # 5.
         self._mask(state, m)
 
     def _tracking_update(self, state: FlatState) -> None:
@@ -382,7 +358,7 @@ class OnebitLamb(CompressedOptimizer):
                 bound_step_(u[el], step_bound(self.config.step_guard, group["betas"]), where)
             if group["weight_decay"] != 0:
                 u[el].add_(p[el], alpha=group["weight_decay"])
-        p_norm, u_norm = _norms(bucket, p), _norms(bucket, u)
+        p_norm, u_norm = tensor_norms(bucket, p), tensor_norms(bucket, u)
         ratio = p_norm / torch.where(u_norm > 0, u_norm, 1.0)
         c = ratio.clamp_(cfg.min_coeff, cfg.max_coeff)
         scalars["lamb_coeff"].copy_(torch.where((p_norm > 0) & (u_norm > 0), c, 1.0))
@@ -413,16 +389,16 @@ class OnebitLamb(CompressedOptimizer):
             )  # commopt's guard (not in the paper)
             if where is not None:
                 bound_step_(u[el], step_bound(self.config.step_guard, group["betas"]), where)
-        factor = _per_tensor(torch._foreach_max, bucket.views(ratio), 1.0, m.device)
+        factor = per_tensor(torch._foreach_max, bucket.views(ratio), 1.0, m.device)
         if any(group["weight_decay"] > 0 for _, group in self.segments(state)):
-            u0_norm = _norms(bucket, u)
+            u0_norm = tensor_norms(bucket, u)
             p = state.gather_params(ratio)
             for seg, group in self.segments(state):
                 u[seg.slice].add_(p[seg.slice], alpha=group["weight_decay"])
-            u_norm = _norms(bucket, u)
+            u_norm = tensor_norms(bucket, u)
             shrink = torch.where(u_norm > 0, u0_norm / torch.where(u_norm > 0, u_norm, 1.0), 1.0)
             shrink.clamp_(max=1.0)
-            for group, k in _tensor_ranges(self, state):
+            for group, k in tensor_ranges(self, state):
                 if group["weight_decay"] > 0:
                     factor[k] = factor[k] * shrink[k] + (1 - shrink[k])
         last = scalars["last_factor"]  # 9.
@@ -435,17 +411,8 @@ class OnebitLamb(CompressedOptimizer):
     def _apply_update(self, state: FlatState, u: torch.Tensor, coeff: torch.Tensor) -> None:
         """p ← p − η·c_k·u (u is consumed)."""
         scale = torch.empty_like(coeff)
-        for group, k in _tensor_ranges(self, state):
+        for group, k in tensor_ranges(self, state):
             torch.mul(coeff[k], -group["lr"], out=scale[k])
-        _scale_tensors(state.bucket, u, scale)
+        scale_tensors_(state.bucket, u, scale)
         for p, view in zip(state.bucket.params, state.bucket.views(u), strict=True):
             p.add_(view if p.dtype == view.dtype else view.to(p.dtype))
-
-
-def _tensor_ranges(opt: OnebitLamb, state: FlatState) -> list[tuple[dict[str, Any], slice]]:
-    """Each segment's param group and its tensors' range in the per-tensor scalars."""
-    out, first = [], 0
-    for seg, group in opt.segments(state):
-        out.append((group, slice(first, first + len(seg.params))))
-        first += len(seg.params)
-    return out
