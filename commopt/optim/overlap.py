@@ -100,8 +100,13 @@ class BackwardWork:
     _hooks: GradientHooks
     _step_now: int
 
-    def _average(self, flat: torch.Tensor) -> torch.Tensor:  # pragma: no cover - base defines it
-        raise NotImplementedError
+    if TYPE_CHECKING:  # defined by CompressedOptimizer, which this mixin is part of
+
+        def _average(self, flat: torch.Tensor) -> torch.Tensor: ...
+
+        def _compress(
+            self, state: FlatState, flat: torch.Tensor, comm: dict[str, torch.Tensor] | None = None
+        ) -> torch.Tensor: ...
 
     @property
     def early_work(self) -> EarlyWork:
@@ -150,11 +155,6 @@ class BackwardWork:
         Adam: the exchange itself; 1-bit LAMB scales by σ around it."""
         del step
         self._compress(state, m, errors)
-
-    def _compress(  # pragma: no cover - base defines it
-        self, state: FlatState, flat: torch.Tensor, comm: dict[str, torch.Tensor] | None = None
-    ) -> torch.Tensor:
-        raise NotImplementedError
 
     def _take_exchanged_momentum(self, state: FlatState) -> bool:
         """Commit the momentum a DDP hook folded and exchanged for this bucket into
