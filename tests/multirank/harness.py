@@ -7,12 +7,17 @@ text; a rank that hangs is killed at ``timeout`` and the test fails saying so.
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import os
 import pickle
+import socket
+import subprocess
+import sys
 import tempfile
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -84,3 +89,24 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 60.0) 
     if not all(ok for ok, _ in results.values()):
         raise RankError([None if results[r][0] else results[r][1] for r in range(world_size)])
     return [pickle.loads(results[r][1]) for r in range(world_size)]
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now (for a rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_example_under_torchrun(
+    example: Path, args: Sequence[str], out: Path, env: dict[str, str] | None = None
+) -> dict[str, Any]:
+    """Run ``example`` on 2 ranks under torchrun with ``--out out`` and return the
+    ``result.json`` it wrote there; a non-zero exit fails with the end of its output."""
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMI_", "PMIX_"))}
+    full_env.update(OMP_NUM_THREADS="1", **(env or {}))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
+    cmd += ["--master_port", str(free_port()), str(example), *args, "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=full_env, timeout=600, cwd=out)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    return json.loads((out / "result.json").read_text())

@@ -10,7 +10,6 @@ import math
 import multiprocessing as mp
 import os
 import pickle
-import socket
 
 import torch
 import torch.distributed as dist
@@ -19,7 +18,7 @@ import commopt
 from commopt import compressed_allreduce, padded_size
 from commopt.comm import TorchBackend
 from commopt.kernels import TorchKernels, use_kernels
-from tests.multirank.harness import run_ranks
+from tests.multirank.harness import free_port, run_ranks
 
 N = 4
 SHAPE = (3, 5)
@@ -208,10 +207,6 @@ def test_broadcast_parameters_makes_replicas_equal() -> None:
 
 
 # -- init() from torchrun's variables (the launch path without torchrun itself) -----------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _torchrun_rank(rank: int, n: int, port: int, queue) -> None:
@@ -245,7 +240,7 @@ def _torchrun_rank(rank: int, n: int, port: int, queue) -> None:
 
 def test_init_from_torchrun_variables() -> None:
     n, ctx = 2, mp.get_context("fork")
-    queue, port = ctx.Queue(), _free_port()
+    queue, port = ctx.Queue(), free_port()
     procs = [
         ctx.Process(target=_torchrun_rank, args=(r, n, port, queue), daemon=True) for r in range(n)
     ]

@@ -11,7 +11,6 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,14 +21,9 @@ import torch
 
 import commopt
 from commopt.faults import EXIT_CODE, CollectiveError, watch
+from tests.multirank.harness import free_port
 
 TIMEOUT_S = 4.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _train_until_fault(rank: int, mode: str, out: str = "") -> None:
@@ -75,7 +69,7 @@ def _gloo_rank(rank: int, port: int, mode: str, out: str) -> None:
 @pytest.mark.parametrize("mode", ["kill", "hang"])
 def test_gloo_survivor_stops_with_an_error(tmp_path, mode):
     ctx = mp.get_context("fork")
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_gloo_rank, args=(r, port, mode, str(tmp_path))) for r in (0, 1)]
     for p in procs:
         p.start()

@@ -3,14 +3,11 @@ through the DDP hook (commopt.ddp), with two backward passes per step."""
 
 from __future__ import annotations
 
-import json
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.multirank.harness import run_example_under_torchrun
 
 pytest.importorskip(
     "transformers", reason="the example needs transformers: pip install 'commopt[hf]'"
@@ -20,36 +17,13 @@ pytest.importorskip("accelerate", reason="the Trainer needs accelerate: pip inst
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "hf_trainer_gpt2.py"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_trainer_example_trains_on_two_ranks(tmp_path):
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMI_", "PMIX_"))}
-    env.update(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "--master_port",
-        str(_free_port()),
-        str(EXAMPLE),
-        "--max-steps",
-        "30",
-        "--freeze-step",
-        "10",
-        "--accumulation",
-        "2",
-        "--out",
-        str(tmp_path),
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    result = json.loads((tmp_path / "result.json").read_text())
+    result = run_example_under_torchrun(
+        EXAMPLE,
+        ["--max-steps", "30", "--freeze-step", "10", "--accumulation", "2"],
+        tmp_path,
+        env=dict(TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1"),
+    )
     losses = result["losses"]
     assert result["world_size"] == 2
     assert len(losses) == 6  # logged every 5 steps
