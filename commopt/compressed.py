@@ -36,18 +36,39 @@ __all__ = [
 _LOW_BITS = 20
 
 
+# A worker scale above 2**127/n or a server error above 2**127 could overflow fp32 in the
+# server's a + f, or in f's update, from finite inputs: refused before any state changes.
+_SAFE_LIMIT = 2.0**127
+
+
 class NonFiniteError(FloatingPointError):
-    """The buffer to compress held inf/NaN on at least one rank; raised on every rank alike.
+    """The buffer to compress held inf/NaN on at least one rank, or finite values so large that
+    compressing them would overflow fp32 (``overflow=True``); raised on every rank alike.
 
     Nothing was changed: the worker and server errors are as they were before the call.
     """
 
-    def __init__(self, ranks: list[int]) -> None:
+    def __init__(self, ranks: list[int], *, overflow: bool = False) -> None:
         self.ranks = ranks
-        super().__init__(
-            f"non-finite values in the buffer to compress on rank(s) {ranks}; "
-            "worker and server errors were left unchanged"
+        self.overflow = overflow
+        what = (
+            "a worker scale above 2**127/n or a server error above 2**127 (fp32 would overflow)"
+            if overflow
+            else "non-finite values in the buffer to compress"
         )
+        super().__init__(f"{what} on rank(s) {ranks}; worker and server errors were left unchanged")
+
+
+def overflow_safe(scale: torch.Tensor, server_error: torch.Tensor | None, fan_in: int) -> bool:
+    """Whether one server's average of ``fan_in`` scales ≤ ``scale``, plus ``server_error``, and
+    the update of that error stay finite in fp32: s ≤ 2^127/fan_in and max|f| ≤ 2^127 (NaN
+    fails). Then |a + f| ≤ 2^128 and |f'| = ||c_s| − t| ≤ max|c_s|."""
+    if not bool(scale[0] <= _SAFE_LIMIT / fan_in):
+        return False
+    if server_error is None or server_error.numel() == 0:
+        return True
+    low, high = torch.aminmax(server_error)  # one pass; |·|'s max would be two
+    return bool(low >= -_SAFE_LIMIT) and bool(high <= _SAFE_LIMIT)
 
 
 def padded_size(numel: int, world_size: int) -> int:
@@ -93,8 +114,9 @@ def compressed_allreduce(
 
     1. c = pad(x) + e
     2. s_r = ‖c‖₂ / √N
-    3. phase 1a: all-gather (s_r, L) — every rank checks that L agrees and that every s is finite
-       (an inf/NaN anywhere makes some s non-finite) before anything changes
+    3. phase 1a: all-gather (s_r, L, safe?) — every rank checks that L agrees, that every s is
+       finite (an inf/NaN anywhere makes some s non-finite) and that no scale or server error
+       could overflow fp32 (:func:`overflow_safe`) before anything changes
     4. e ← c − s_r·sgn(c); bits = pack(c ≥ 0), chunk j for rank j
     5. phase 1b: all-to-all of the sign chunks
     6. server r: a = (1/n)·Σ_i s_i·sgn_i over its chunk
@@ -120,7 +142,8 @@ def compressed_allreduce(
         y, with the shape and dtype of ``tensor``.
 
     Raises:
-        NonFiniteError: inf/NaN in ``tensor`` on any rank (raised on all ranks; e, f untouched).
+        NonFiniteError: inf/NaN in ``tensor`` on any rank, or s > 2^127/n or max|f| > 2^127
+            on any rank (``overflow=True``); raised on all ranks, e and f untouched.
         ValueError: error buffers of the wrong size or device, or ranks passing different L.
         TypeError: non-float tensor or non-fp32 error buffers.
     """
@@ -174,8 +197,9 @@ def compressed_allreduce_and_scale(
     # 1–2. s = ‖pad(x) + e‖/√N; c = pad(x) + e is not stored (step 4 recomputes it, exactly).
     s = kernels.scale(x, worker_error) if padded else torch.zeros(1, device=x.device)
 
-    # 3. phase 1a: (s, L) from everyone; agree on L and finiteness before touching e.
-    worker_scales = _agree(be, s, numel)
+    # 3. phase 1a: (s, L, safe?) from everyone; agree on L, finiteness and the fp32 range
+    # before touching e or f.
+    worker_scales = _agree(be, s, numel, server_error)
     if padded == 0:
         return out, None
 
@@ -198,21 +222,26 @@ def compressed_allreduce_and_scale(
     return out, s
 
 
-def _agree(be: Backend, s: torch.Tensor, numel: int) -> torch.Tensor:
-    """Phase 1a: all-gather (s, L); raise on every rank alike unless every rank passed the same
-    L and a finite s. Returns the n worker scales."""
+def _agree(
+    be: Backend, s: torch.Tensor, numel: int, server_error: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Phase 1a: all-gather (s, L, safe?); raise on every rank alike unless every rank passed
+    the same L, a finite s, and a scale and server error that cannot overflow fp32
+    (:func:`overflow_safe`; ``server_error=None``: nothing will be compressed, only s counts).
+    Returns the n worker scales."""
     n = be.world_size
+    safe = overflow_safe(s, server_error, n) if server_error is not None else True
     meta = torch.tensor(
-        [0.0, numel & ((1 << _LOW_BITS) - 1), numel >> _LOW_BITS],
+        [0.0, numel & ((1 << _LOW_BITS) - 1), numel >> _LOW_BITS, float(safe)],
         dtype=torch.float32,
         device=s.device,
     )
     meta[0] = s[0]
-    all_meta = torch.empty(3 * n, dtype=torch.float32, device=s.device)
+    all_meta = torch.empty(4 * n, dtype=torch.float32, device=s.device)
     be.all_gather(all_meta, meta)
-    all_meta = all_meta.view(n, 3)
+    all_meta = all_meta.view(n, 4)
     meta_host = all_meta.cpu()
-    lengths = [int(lo) + (int(hi) << _LOW_BITS) for lo, hi in meta_host[:, 1:].tolist()]
+    lengths = [int(lo) + (int(hi) << _LOW_BITS) for lo, hi in meta_host[:, 1:3].tolist()]
     if len(set(lengths)) != 1:
         raise ValueError(
             "compressed_allreduce: every rank must pass the same number of elements, got "
@@ -221,6 +250,9 @@ def _agree(be: Backend, s: torch.Tensor, numel: int) -> torch.Tensor:
     finite = torch.isfinite(meta_host[:, 0])
     if not bool(finite.all()):
         raise NonFiniteError([r for r in range(n) if not finite[r]])
+    unsafe = [r for r in range(n) if not meta_host[r, 3]]
+    if unsafe and numel:
+        raise NonFiniteError(unsafe, overflow=True)
     return all_meta[:, 0].contiguous()
 
 
@@ -258,4 +290,4 @@ def compression_bytes(numel: int, world_size: int) -> int:
     if n == 1:
         return 0
     padded = padded_size(numel, n)
-    return 2 * (n - 1) * padded // (8 * n) + (n - 1) * (3 + 1) * 4
+    return 2 * (n - 1) * padded // (8 * n) + (n - 1) * (4 + 1) * 4

@@ -123,7 +123,7 @@ def econtrol_allreduce_(
     c = torch.add(d, worker_error, alpha=eta) if eta != 1.0 else d + worker_error
     # 2–3. s = ‖c‖/√N, then agree on L and finiteness.
     s = kernels.scale(c, zeros)
-    worker_scales = _agree(be, s, numel)
+    worker_scales = _agree(be, s, numel, server_error)
     # 4. bits = pack(c ≥ 0) and r = c − Δ; e ← r + (1 − η)·e; h ← h + Δ with Δ = ±s exactly.
     bits = torch.empty(padded // 8, dtype=torch.uint8, device=x.device)
     residual = d  # d is not needed any more: reuse its memory for c − Δ

@@ -27,7 +27,7 @@ import torch
 
 from commopt.comm import Backend, TorchBackend, resolve_backend
 from commopt.comm.shm_backend import SharedMemoryBackend
-from commopt.compressed import NonFiniteError, padded_size
+from commopt.compressed import NonFiniteError, overflow_safe, padded_size
 from commopt.exchange import Exchange, FlatExchange
 from commopt.hierarchical_levels import (
     SharedMemory,
@@ -272,10 +272,7 @@ class HierarchicalExchange:
         all-gather inside the node: a scale overflowed from finite inputs (z or c = z + e) is
         seen by its cross group only and must reach the node's other groups before any e or f
         changes; the bounds keep a + f and every update finite (docs/hierarchical.md)."""
-        limit = 2.0**127
-        safe = bool(s[0] <= limit / self.num_nodes)
-        if f.numel():
-            safe = safe and bool(torch.linalg.vector_norm(f, ord=float("inf")) <= limit)
+        safe = overflow_safe(s, f, self.num_nodes)
         flags = torch.empty(self.local_size, dtype=torch.int64)
         assert self.local_backend is not None
         self.local_backend.all_gather(flags, torch.tensor([int(safe)], dtype=torch.int64))
@@ -315,7 +312,7 @@ class HierarchicalExchange:
             raise NonFiniteError(bad)
         unsafe = [r for r, row in enumerate(rows) if not row[2]]
         if lengths[0] and unsafe:
-            raise NonFiniteError(unsafe)
+            raise NonFiniteError(unsafe, overflow=True)
         return table[:, 0].to(torch.float32)
 
     def _buffers(self, numel: int, padded: int, device: torch.device) -> dict[str, Any]:

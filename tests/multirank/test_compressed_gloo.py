@@ -130,7 +130,7 @@ def test_matches_reference_and_is_identical_on_every_rank(n):
                 assert recs[r]["bytes"][k] == compression_bytes(length, n)
                 assert recs[r]["calls"][k] == {"all_gather": 3, "all_to_all": 1}
             padded = padded_size(length, n)
-            assert compression_bytes(length, n) == 2 * (n - 1) * padded // (8 * n) + 16 * (n - 1)
+            assert compression_bytes(length, n) == 2 * (n - 1) * padded // (8 * n) + 20 * (n - 1)
 
 
 def test_average_is_unbiased_over_calls():
@@ -219,6 +219,43 @@ def test_non_finite_on_one_rank_raises_everywhere_and_keeps_errors(n, bad):
         assert f"rank(s) [{n - 1}]" in message and "left unchanged" in message
         assert unchanged, f"rank {rank}: e or f changed"
         np.testing.assert_array_equal(y, results[0][2])
+
+
+def _overflow_from_finite_inputs(backend, case: str):
+    """``scale``: ranks 0 and n−1 send x = 3e38 everywhere, so their worker scales are 3e38 and
+    a server's sum of ±s overflows; ``server``: rank 0's server error holds 3.4e38, so its
+    c_s = a + f and the update of f leave fp32's range. Both inputs are finite."""
+    n = backend.world_size
+    length = 1001
+    padded = padded_size(length, n)
+    e, f = torch.zeros(padded), torch.zeros(padded // n)
+    compressed_allreduce(_inputs(backend.rank, 0, length), e, f, backend)  # non-zero errors
+    x = _inputs(backend.rank, 1, length)
+    if case == "scale" and backend.rank in (0, n - 1):
+        x.fill_(3e38)
+    if case == "server" and backend.rank == 0:
+        f[5] = 3.4e38
+    e_before, f_before = e.clone(), f.clone()
+    try:
+        y = compressed_allreduce(x, e, f, backend)
+        return None, bool(torch.isfinite(y).all())
+    except NonFiniteError as err:
+        unchanged = bool(torch.equal(e, e_before) and torch.equal(f, f_before))
+        return (err.ranks, err.overflow, str(err)), unchanged
+
+
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("case", ["scale", "server"])
+def test_overflow_from_finite_inputs_raises_everywhere_and_keeps_errors(n, case):
+    """Without the check, the output was inf on every rank (no error): a silent wrong result."""
+    results = run_ranks(_overflow_from_finite_inputs, n, case, timeout=TIMEOUT)
+    expected = sorted({0, n - 1}) if case == "scale" else [0]
+    for rank, (outcome, unchanged) in enumerate(results):
+        assert outcome is not None, f"rank {rank} returned (finite output: {unchanged})"
+        ranks, overflow, message = outcome
+        assert ranks == expected and overflow
+        assert "fp32 would overflow" in message and "left unchanged" in message
+        assert unchanged, f"rank {rank}: e or f changed"
 
 
 def _different_lengths(backend):

@@ -147,7 +147,7 @@ def test_matches_float64_reference_and_is_identical_on_every_rank(n, eta):
                 if k == 0:  # the exact start: one fp32 all-reduce after the (s, L) agreement
                     assert recs[r]["s"][k] is None
                     assert recs[r]["calls"][k] == {"all_gather": 1, "all_reduce": 1}
-                    assert recs[r]["bytes"][k] == 12 * (n - 1) + 2 * (n - 1) * 4 * padded // n
+                    assert recs[r]["bytes"][k] == 16 * (n - 1) + 2 * (n - 1) * 4 * padded // n
                     np.testing.assert_array_equal(recs[r]["worker_error"][k], 0)
                 else:  # afterwards SPEC §1's wire traffic exactly
                     np.testing.assert_allclose(recs[r]["s"][k], want["s"][r], rtol=2e-6)

@@ -164,7 +164,7 @@ def test_matches_reference_and_is_identical_on_every_rank(placement: str) -> Non
                 # all-to-all of (L−1)/L of the buffer, the gather of the 1-bit result, the
                 # 16-byte records and the 8-byte safe? flag.
                 S = padded // 2
-                assert recs[r]["cross"][k] == compression_bytes(S, 2) - 16 + 4 + 56
+                assert recs[r]["cross"][k] == compression_bytes(S, 2) - 20 + 4 + 56
                 assert recs[r]["local"][k] == 4 * padded // 2 + (S // 8 + 4 * 2) + 16 + 8
 
 
@@ -459,7 +459,7 @@ def _overflow_in_one_cross_group(backend, case: str):
         ex.allreduce_(x, state)
         return None
     except NonFiniteError as err:
-        ranks = err.ranks
+        ranks = err.ranks if err.overflow else None
     untouched = all(torch.equal(state[k], before[k]) for k in state)
     # The next call, from the state before the bad values, is the call a fresh state gives.
     state = {k: v.clone() for k, v in sane.items()}
