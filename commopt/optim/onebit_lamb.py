@@ -95,8 +95,8 @@ class OnebitLamb(CompressedOptimizer):
             False. Needs several buckets (``bucket_numel``) to hide anything; the conditions
             (same parameters with gradients on every rank, :meth:`no_sync` to accumulate, no
             GradScaler, no DDP) are :class:`OnebitAdam`'s; see docs/overlap.md.
-        bucket_numel: the most elements one flat bucket holds (default None: one bucket for
-            the whole model, one compressed call per step). Results depend on the layout (one
+        bucket_numel: the most elements one flat bucket holds (default None: one bucket per
+            device and dtype, one compressed call per step). Results depend on the layout (one
             scale per bucket), so compare runs at the same ``bucket_numel``.
         error_feedback: ``"classic"`` (SPEC §1, default) or ``"econtrol"`` (EControl, Gao et
             al. 2024; docs/algorithms/error_feedback.md) for the compressed exchange.
