@@ -19,12 +19,13 @@ Usage::
 What the hook does with a bucket depends on what the optimizer's next step does with each
 parameter (``CompressedOptimizer._early_kind``):
 
-1. **average** (1-bit Adam's warmup): the bucket's gradients are copied into the optimizer's
-   bucket layout, and as soon as an optimizer bucket is complete its full-precision average
-   starts, asynchronously; DDP's bucket gets the averaged values back. The optimizer then uses
-   them without averaging again. Averaging the optimizer's buckets, not DDP's, keeps the
-   reduction order of the standalone optimizer, so the result is bit-identical to it at any
-   world size. Parameters the optimizer does not own get DDP's own average, on DDP's layout.
+1. **average** (1-bit Adam's and 1-bit LAMB's warmup, 0/1 Adam's variance steps): the bucket's
+   gradients are copied into the optimizer's bucket layout, and as soon as an optimizer bucket
+   is complete its full-precision average starts, asynchronously; DDP's bucket gets the
+   averaged values back. The optimizer then uses them without averaging again. Averaging the
+   optimizer's buckets, not DDP's, keeps the reduction order of the standalone optimizer, so
+   the result is bit-identical to it at any world size. Parameters the optimizer does not own
+   get DDP's own average, on DDP's layout.
 2. **momentum** (1-bit Adam's compression stage): m' = β1·m + (1−β1)·g is computed from the
    bucket's local gradients into a staged momentum, and as soon as every parameter of one of
    the *optimizer's* buckets has been folded, that bucket's compressed exchange runs, on
@@ -34,9 +35,12 @@ parameter (``CompressedOptimizer._early_kind``):
    bit-identical to the standalone optimizer however DDP buckets the model, and the error
    buffers stay in the optimizer's ``state_dict()``. The gradients DDP leaves in ``p.grad``
    are the local ones.
-3. **nothing** (steps the algorithm does not start early yet: 1-bit LAMB's compression stage,
-   0/1 Adam): the bucket's gradients stay local, and ``step()`` communicates, exactly as
-   without DDP.
+   1-bit LAMB's compression stage is the same fold, its exchange scaled by σ around it.
+3. **gradient** (0/1 Adam's 1-bit steps): the local gradient itself is copied into the staged
+   buffer and exchanged at one bit, on staged error buffers, as in 2.
+4. **nothing** (0/1 Adam's phase B: local steps send nothing, sync steps depend on ``lr`` as
+   ``step()`` reads it, docs/ddp.md): the bucket's gradients stay local, and ``step()``
+   communicates, exactly as without DDP.
 
 Semantics to know:
 

@@ -227,8 +227,13 @@ _ADAM_ERRORS = (
     ErrorCase({"betas": (0.9, 1.0)}, ValueError, r"Invalid beta parameter at index 1: 1\.0"),
 )
 
-# What the base class checks for every optimizer: torch's empty-list error, the momentum mask.
+# What the base class checks for every optimizer: torch's empty-list error, the momentum mask,
+# and the overlap switch with its bucket size (commopt.optim.overlap).
 _BASE_ERRORS = (
+    ErrorCase({"bucket_numel": 0}, ValueError, r"Invalid bucket_numel: 0 \(must be >= 1\)"),
+    ErrorCase({"bucket_numel": 1e6}, TypeError, "bucket_numel must be an int, got float"),
+    ErrorCase({"bucket_numel": True}, TypeError, "bucket_numel must be an int, got bool"),
+    ErrorCase({"overlap": "yes"}, TypeError, "overlap must be True or False, got 'yes'"),
     ErrorCase({}, ValueError, "optimizer got an empty parameter list", params=lambda: []),
     ErrorCase(
         {},

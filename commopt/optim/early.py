@@ -54,6 +54,7 @@ from commopt.compressed import NonFiniteError
 from commopt.optim.exchange_schedule import ExchangeSchedule
 from commopt.optim.flat_state import FlatState
 from commopt.optim.staged import StagedBuffers, StagedWork
+from commopt.optim.staged_fold import fold_param_
 
 if TYPE_CHECKING:
     from commopt.optim.base import CompressedOptimizer
@@ -294,29 +295,9 @@ class EarlyWork:
                 self._exchange(state, st)
 
     def _fold_one(self, state: FlatState, i: int, g: torch.Tensor | None, step: int) -> None:
-        """One parameter, with the arithmetic of ``adam_math.momentum_from_grads_`` (lerp, or
-        m·β1 without a gradient), so that the result is the standalone optimizer's, bit for bit
-        (:data:`GRADIENT`: g, or 0 without a gradient, as ``FlatState.gather_grads``)."""
-        bucket = state.bucket
-        m = self._buffers.momentum(state)
-        start = bucket.offsets[i]
-        p = bucket.params[i]
-        dst = m[start : start + p.numel()].view(p.shape)
-        if self._opt._early_kind(state, step) == GRADIENT:
-            if g is None:
-                dst.zero_()
-            else:
-                dst.copy_(g.reshape(p.shape))
-            return
-        src = state.flat["exp_avg"][start : start + p.numel()].view(p.shape)
-        beta1 = _beta1_of(self._opt, state, i)
-        # one pass, out of place: the kernels of lerp_/mul_, so the same bits
-        if g is None and self._opt._fold_missing_as_zero:
-            torch.lerp(src, torch.zeros_like(dst), 1 - beta1, out=dst)
-        elif g is None:
-            torch.mul(src, beta1, out=dst)
-        else:
-            torch.lerp(src, g.reshape(p.shape).to(dst.dtype), 1 - beta1, out=dst)
+        """One parameter into the staged momentum, as ``step()`` would (:mod:`.staged_fold`)."""
+        gradient = self._opt._early_kind(state, step) == GRADIENT
+        fold_param_(self._opt, state, i, g, self._buffers.momentum(state), gradient)
 
     def _exchange(self, state: FlatState, st: StagedWork) -> None:
         errors = self._buffers.errors_from(state)
@@ -399,12 +380,3 @@ class EarlyWork:
                 with contextlib.suppress(Exception):  # a failed average was raised already
                     st.future.wait()
         self._staged.clear()
-
-
-def _beta1_of(opt: CompressedOptimizer, state: FlatState, i: int) -> float:
-    """β1 of the bucket's i-th parameter (its param group's)."""
-    p = state.bucket.params[i]
-    for seg, group in opt.segments(state):
-        if any(q is p for q in seg.params):
-            return group["betas"][0]
-    raise IndexError(i)

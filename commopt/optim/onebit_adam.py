@@ -146,15 +146,8 @@ class OnebitAdam(CompressedOptimizer):
         defaults = dict(
             lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction
         )
-        if bucket_numel is not None:
-            if isinstance(bucket_numel, bool) or not isinstance(bucket_numel, int):
-                raise TypeError(f"bucket_numel must be an int, got {type(bucket_numel).__name__}")
-            if bucket_numel < 1:
-                raise ValueError(f"Invalid bucket_numel: {bucket_numel} (must be >= 1)")
-            self._bucket_numel = bucket_numel
         super().__init__(params, defaults, config, backend, topology)
-        if overlap:
-            self._start_overlap()
+        self._set_overlap(overlap, bucket_numel)
 
     def _step(self, step: int) -> None:
         freeze_step = self.frozen_after()

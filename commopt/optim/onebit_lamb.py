@@ -14,6 +14,7 @@ from commopt.optim.adam_math import update_moments_
 from commopt.optim.base import CompressedOptimizer
 from commopt.optim.config import OnebitLambConfig, check_adam_arguments, document_schedule
 from commopt.optim.flat_state import FlatState
+from commopt.optim.lamb_scaling import early_sigma, exchange_scaled_, freeze_scaling_coeffs
 from commopt.optim.per_tensor import per_tensor, scale_tensors_, tensor_norms, tensor_ranges
 from commopt.step_guard import bound_step_, guarded_elements, step_bound
 
@@ -85,6 +86,18 @@ class OnebitLamb(CompressedOptimizer):
             exactly. ``"tracking"``: every compression step recomputes LAMB's own ratio
             c_k = clip(‖p_k‖/‖u_k‖, min_coeff, max_coeff) from u = m/(√v + ε) + λp, which every
             rank already holds after the exchange (no message; f and v_f are not used).
+        overlap: start each bucket's communication during backward, as soon as its last
+            gradient is accumulated: the warmup's full-precision average, and in the
+            compression stage the fold and the σ-scaled exchange m' ← C(m'·σ)/σ (at the first
+            compression step with the σ ``step()`` is about to freeze), on staged buffers;
+            ``step()`` waits, commits and runs the rest (v_f, the factor, the trust ratio, the
+            update). Bit-identical to ``overlap=False``, with either ``trust_ratio``. Default
+            False. Needs several buckets (``bucket_numel``) to hide anything; the conditions
+            (same parameters with gradients on every rank, :meth:`no_sync` to accumulate, no
+            GradScaler, no DDP) are :class:`OnebitAdam`'s; see docs/overlap.md.
+        bucket_numel: the most elements one flat bucket holds (default None: one bucket per
+            device and dtype, one compressed call per step). Results depend on the layout (one
+            scale per bucket), so compare runs at the same ``bucket_numel``.
         error_feedback: ``"classic"`` (SPEC §1, default) or ``"econtrol"`` (EControl, Gao et
             al. 2024; docs/algorithms/error_feedback.md) for the compressed exchange.
         econtrol_eta: η of EControl (default 0.2; ignored by ``"classic"``).
@@ -154,6 +167,8 @@ class OnebitLamb(CompressedOptimizer):
         *,
         topology: str = "flat",
         trust_ratio: str = "frozen",
+        overlap: bool = False,
+        bucket_numel: int | None = None,
         error_feedback: str = "classic",
         econtrol_eta: float = 0.2,
         step_guard: bool | str = "tiny",
@@ -174,6 +189,7 @@ class OnebitLamb(CompressedOptimizer):
         )
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults, config, backend, topology)
+        self._set_overlap(overlap, bucket_numel)
 
     def get_lamb_coeffs(self) -> list[float]:
         """The trust ratios c_k used by the last step, one per parameter in param_groups order
@@ -221,30 +237,9 @@ class OnebitLamb(CompressedOptimizer):
     def _early_exchange(
         self, state: FlatState, m: torch.Tensor, errors: dict[str, torch.Tensor], step: int
     ) -> None:
-        """Steps 3–5 on a staged m' = β1·m + (1−β1)·g: m' ← C(m'·σ)/σ. At the first
-        compression step, before ``step()`` has frozen σ, it is the σ ``step()`` will freeze,
-        computed from the committed momenta of every bucket freezing then (nothing is
-        committed here); inside ``step()`` (a bucket completed there) σ is already frozen."""
-        sigma = state.scalars["scaling_coeff"]
-        freeze_step = self.frozen_after()
-        before_step = self.global_state["step"] < step
-        if before_step and step - self.first_step(state) == freeze_step + 1:
-            freezing = [s for s in self.flat_states if step - self.first_step(s) == freeze_step + 1]
-            sigma = self._scaling_coeffs(freezing)[freezing.index(state)]
-        self._compress_scaled(state, m, sigma, errors)
-
-    def _compress_scaled(
-        self,
-        state: FlatState,
-        m: torch.Tensor,
-        sigma: torch.Tensor,
-        errors: dict[str, torch.Tensor] | None = None,
-    ) -> None:
-        """Steps 4–5: m ← C(m·σ)/σ, one compressed call for the whole bucket (with this rank's
-        error buffers, or the staged ones of a DDP hook)."""
-        scale_tensors_(state.bucket, m, sigma)
-        self._compress(state, m, errors)
-        scale_tensors_(state.bucket, m, sigma, divide=True)
+        """Steps 3–5 on a staged m' = β1·m + (1−β1)·g: m' ← C(m'·σ)/σ, with the σ of
+        :func:`~commopt.optim.lamb_scaling.early_sigma`."""
+        exchange_scaled_(self._compress, state, m, early_sigma(self, state, step), errors)
 
     def _warmup_step(self, state: FlatState, keep_fresh: bool) -> None:
         """LAMB on the averaged gradient; the trust ratios feed the EMA c̄."""
@@ -272,28 +267,6 @@ class OnebitLamb(CompressedOptimizer):
         if keep_fresh:
             state.buffer("exp_avg_sq_fresh").copy_(v)
 
-    @classmethod
-    def _freeze_scaling_coeffs(cls, states: list[FlatState]) -> None:
-        """σ_k = mean_j(ρ_j)/ρ_k, ρ_k = ‖m_k‖/√numel_k, over every tensor of these buckets."""
-        for state, sigma in zip(states, cls._scaling_coeffs(states), strict=True):
-            state.scalars["scaling_coeff"].copy_(sigma)
-
-    @staticmethod
-    def _scaling_coeffs(states: list[FlatState]) -> list[torch.Tensor]:
-        """σ of each of these buckets from their committed momenta (nothing is written)."""
-        rms, sizes = [], []
-        for state in states:
-            bucket = state.bucket
-            sizes.append(torch.tensor([p.numel() for p in bucket.params], device=bucket.device))
-            rms.append(tensor_norms(bucket, state.flat["exp_avg"]) / sizes[-1].clamp(min=1).sqrt())
-        nonempty = [(r[s > 0]).cpu() for r, s in zip(rms, sizes, strict=True)]
-        count = sum(len(r) for r in nonempty)
-        # ρ of a tensor with no elements is undefined: it takes no part in the mean.
-        mean = torch.cat(nonempty).sum() / count if count else torch.tensor(0.0)
-        return [
-            torch.where(r > 0, mean.to(r.device) / torch.where(r > 0, r, 1.0), 1.0) for r in rms
-        ]
-
     def _compressed_step(self, states: list[tuple[FlatState, bool]]) -> None:
         """SPEC §3 steps 1–10. Every bucket's momentum is exchanged before any is used, so a
         non-finite momentum (raised on every rank alike) restores m and σ everywhere and the
@@ -301,7 +274,7 @@ class OnebitLamb(CompressedOptimizer):
         freezing = [state for state, first in states if first]
         saved_sigma = [s.scalars["scaling_coeff"].clone() for s in freezing]
         if freezing:  # 2. at the first compression step only
-            self._freeze_scaling_coeffs(freezing)
+            freeze_scaling_coeffs(freezing)
         done: list[tuple[FlatState, dict[str, torch.Tensor]]] = []
         touched: list[FlatState] = []
         try:
@@ -337,7 +310,7 @@ class OnebitLamb(CompressedOptimizer):
         g = state.gather_grads(state.scratch("grad"))
         for seg, group in self.segments(state):  # 3.
             update_moments_(m[seg.slice], None, g[seg.slice], group["betas"][0], 0.0)
-        self._compress_scaled(state, m, state.scalars["scaling_coeff"])  # 4.–5.
+        exchange_scaled_(self._compress, state, m, state.scalars["scaling_coeff"])  # 4.–5.
         done.append((state, saved))
         self._mask(state, m)
 

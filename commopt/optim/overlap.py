@@ -99,6 +99,7 @@ class BackwardWork:
     _early: EarlyWork | None
     _hooks: GradientHooks
     _step_now: int
+    _bucket_numel: int | None
 
     if TYPE_CHECKING:  # defined by CompressedOptimizer, which this mixin is part of
 
@@ -176,6 +177,20 @@ class BackwardWork:
     def _start_overlap(self) -> None:
         """Start each bucket's work during backward (``overlap=True``; :mod:`.overlap`)."""
         self._hooks.enable([p for g in self.param_groups for p in g["params"]])
+
+    def _set_overlap(self, overlap: bool, bucket_numel: int | None) -> None:
+        """The constructor's ``overlap`` and ``bucket_numel`` (None: the class's layout),
+        checked; called once ``param_groups`` exist, before the buckets are laid out."""
+        if not isinstance(overlap, bool):
+            raise TypeError(f"overlap must be True or False, got {overlap!r}")
+        if bucket_numel is not None:
+            if isinstance(bucket_numel, bool) or not isinstance(bucket_numel, int):
+                raise TypeError(f"bucket_numel must be an int, got {type(bucket_numel).__name__}")
+            if bucket_numel < 1:
+                raise ValueError(f"Invalid bucket_numel: {bucket_numel} (must be >= 1)")
+            self._bucket_numel = bucket_numel
+        if overlap:
+            self._start_overlap()
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

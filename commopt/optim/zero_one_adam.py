@@ -82,6 +82,16 @@ class ZeroOneAdam(CompressedOptimizer):
             memory, ``COMMOPT_SHARED_MEMORY=0`` to use TCP; docs/hierarchical.md) or
             ``"auto"`` (hierarchical when there are several nodes of several ranks and a fast
             path inside the node).
+        overlap: start phase A's communication during backward, as soon as a bucket's last
+            gradient is accumulated: a variance step's full-precision average, and a 1-bit
+            step's exchange of the local gradient (on staged error buffers); ``step()`` waits
+            and commits. Phase B's sync steps stay in ``step()``: what they exchange depends
+            on this step's local update, hence on ``lr`` and ``weight_decay`` as ``step()``
+            reads them (docs/ddp.md); local steps send nothing. Bit-identical to
+            ``overlap=False``. Default False. Needs several buckets (``bucket_numel``); the
+            conditions are :class:`OnebitAdam`'s; see docs/overlap.md.
+        bucket_numel: the most elements one flat bucket holds (default 2**25; a larger tensor
+            gets a bucket of its own). Results depend on the layout (one scale per bucket).
 
     Tuning: ``var_update_scaler`` trades variance freshness for communication (each variance
     step is a full-precision allreduce). ``var_freeze_step`` plays the role of 1-bit Adam's
@@ -139,6 +149,8 @@ class ZeroOneAdam(CompressedOptimizer):
         backend: Backend | None = None,
         *,
         topology: str = "flat",
+        overlap: bool = False,
+        bucket_numel: int | None = None,
         error_feedback: str = "classic",
         econtrol_eta: float = 0.2,
         step_guard: bool | str = "tiny",
@@ -155,6 +167,7 @@ class ZeroOneAdam(CompressedOptimizer):
         )
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults, config, backend, topology)
+        self._set_overlap(overlap, bucket_numel)
         self.global_state.update(
             var_interval=1,  # I_v: variance steps are t ≡ 0 (mod I_v)
             var_counter=0,  # variance steps since I_v last doubled

@@ -1,9 +1,12 @@
-"""OnebitAdam(overlap=True) runs bucket work on a communication thread, bit-identical to off.
+"""overlap=True runs bucket work on a communication thread, bit-identical to overlap=False.
 
 Each rank trains two copies of a model on the same batches, one with overlap on and one with it
-off, and compares parameters after every step (warmup and compression) and all state at the end.
-The collectives of the overlapped copy are recorded with the thread that issued them: during
-backward they run on the optimizer's communication thread, in the exchange order.
+off, and compares parameters after every step (every phase) and all state at the end, for each
+optimizer: 1-bit Adam (warmup 1-3, compression 4-8), 1-bit LAMB (warmup 1-3, σ frozen at 4,
+compression 4-8) and 0/1 Adam (variance steps 1, 2, 4 and 1-bit steps 3, 5 during backward;
+phase B in step(): sync 6, local 7, sync 8). The collectives of the overlapped copy are recorded
+with the thread that issued them: during backward they run on the optimizer's communication
+thread, in the exchange order.
 """
 
 from __future__ import annotations
@@ -21,6 +24,30 @@ from tests.multirank.harness import run_ranks
 TIMEOUT = 240
 FREEZE = 3
 STEPS = 8
+NAMES = ["OnebitAdam", "OnebitLamb", "ZeroOneAdam"]
+#: 0/1 Adam's steps that exchange in step() (phase B's syncs), whatever overlap is
+SYNC_STEPS = (6, 8)
+
+
+def _make(name: str, params, backend, overlap: bool, bucket_numel: int | None, **extra):
+    kw = dict(lr=0.02, weight_decay=0.01, overlap=overlap, bucket_numel=bucket_numel, **extra)
+    if name == "ZeroOneAdam":
+        schedule = dict(var_freeze_step=5, var_update_scaler=2, local_step_scaler=1)
+        return commopt.ZeroOneAdam(params, **schedule, local_step_clipper=2, backend=backend, **kw)
+    return getattr(commopt, name)(params, freeze_step=FREEZE, backend=backend, **kw)
+
+
+def _compressed_in_step(name: str, buckets: int) -> list[int]:
+    """The compressed exchanges step() itself runs with overlap on, per step."""
+    syncs = SYNC_STEPS if name == "ZeroOneAdam" else ()
+    return [buckets if s in syncs else 0 for s in range(1, STEPS + 1)]
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 8), torch.nn.Linear(8, 3)
+    )
 
 
 def _flat(model: torch.nn.Module) -> torch.Tensor:
@@ -28,10 +55,13 @@ def _flat(model: torch.nn.Module) -> torch.Tensor:
 
 
 def _state(opt) -> list[torch.Tensor]:
+    """Every flat buffer (m, v, 1-bit LAMB's v_f, 0/1 Adam's p_sync), per-tensor scalar (σ, c̄,
+    f^last, c) and error buffer."""
     out = []
     for s in opt.flat_states:
         out += [v.clone() for _, v in sorted(s.flat.items())]
-        out += [v.clone() for v in s.comm.values()]
+        out += [v.clone() for _, v in sorted(s.scalars.items())]
+        out += [v.clone() for _, v in sorted(s.comm.items())]
     return out
 
 
@@ -61,30 +91,27 @@ def _train(
     bad_step: int,
     sync_every_pass: bool = False,
     record: bool = False,
+    name: str = "OnebitAdam",
+    extra: dict | None = None,
 ):
     """``sync_every_pass``: accumulate ``micro`` passes without ``no_sync()`` (each pass
-    communicates again; the last one wins). ``record``: log the overlapped copy's collectives."""
+    communicates again; the last one wins). ``record``: log the overlapped copy's collectives.
+    ``extra``: more constructor arguments for both copies (``trust_ratio``, ``error_feedback``)."""
     warnings.simplefilter("ignore")
     recorder = _Recorder(backend) if record else None
-    torch.manual_seed(0)
-    base = torch.nn.Sequential(
-        torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 8), torch.nn.Linear(8, 3)
-    )
+    base = _model()
     models = [base, copy.deepcopy(base)]
     opts = [
-        commopt.OnebitAdam(
+        _make(
+            name,
             m.parameters(),
-            lr=0.02,
-            freeze_step=FREEZE,
-            weight_decay=0.01,
-            overlap=on,
-            backend=recorder if (on and recorder is not None) else backend,
+            recorder if (on and recorder is not None) else backend,
+            on,
+            opt_bucket,
+            **(extra or {}),
         )
         for m, on in zip(models, (True, False), strict=True)
     ]
-    for opt in opts:
-        if opt_bucket is not None:
-            opt._bucket_numel = opt_bucket
     same, calls_in_no_sync, full_in_step, compressed_in_step, untouched = [], [], [], [], None
     for step in range(1, STEPS + 1):
         for model, opt in zip(models, opts, strict=True):
@@ -122,7 +149,8 @@ def _train(
         "same": same,
         "states_equal": all(
             torch.equal(a, b) for a, b in zip(_state(opts[0]), _state(opts[1]), strict=True)
-        ),
+        )
+        and opts[0].global_state == opts[1].global_state,
         "replicas": everyone.view(backend.world_size, -1),
         "calls_in_no_sync": calls_in_no_sync,
         "full_in_step": full_in_step,
@@ -135,47 +163,110 @@ def _train(
     }
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
-@pytest.mark.parametrize("opt_bucket", [None, 100], ids=["one-bucket", "several-buckets"])
-def test_overlap_equals_no_overlap_every_step(opt_bucket, world_size):
-    results = run_ranks(_train, world_size, opt_bucket, 1, 0, timeout=TIMEOUT)
+def _check_equal(results, name: str) -> None:
+    """Bit-identical to overlap=False after every step and in all state at the end, identical
+    replicas (every run ends on a step that communicates), and every exchange that can start
+    during backward did: step() averaged nothing and compressed only 0/1 Adam's syncs."""
     for r in results:
         assert r["same"] == [True] * STEPS, r["same"]
         assert r["states_equal"]
         for replica in r["replicas"][1:]:
             assert torch.equal(r["replicas"][0], replica)
-        # all bucket work was started during backward: step() averaged and compressed nothing
         assert r["full_in_step"] == [0] * STEPS
-        assert r["compressed_in_step"] == [0] * STEPS
+        assert r["compressed_in_step"] == _compressed_in_step(name, len(r["buckets"]))
 
 
-def test_overlap_no_sync_accumulation():
-    for r in run_ranks(_train, 2, 100, 3, 0, timeout=TIMEOUT):
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("opt_bucket", [None, 100], ids=["one-bucket", "several-buckets"])
+def test_overlap_equals_no_overlap_every_step(opt_bucket, world_size, name):
+    results = run_ranks(_train, world_size, opt_bucket, 1, 0, False, False, name, timeout=TIMEOUT)
+    _check_equal(results, name)
+    assert len(results[0]["buckets"]) == (1 if opt_bucket is None else 4)
+
+
+@pytest.mark.parametrize(
+    ("name", "extra"),
+    [
+        ("OnebitAdam", {"error_feedback": "econtrol"}),
+        ("OnebitLamb", {"error_feedback": "econtrol"}),
+        ("OnebitLamb", {"trust_ratio": "tracking"}),
+        ("ZeroOneAdam", {"error_feedback": "econtrol"}),
+    ],
+    ids=[
+        "OnebitAdam-econtrol",
+        "OnebitLamb-econtrol",
+        "OnebitLamb-tracking",
+        "ZeroOneAdam-econtrol",
+    ],
+)
+def test_overlap_with_options_equals_no_overlap(name, extra):
+    # EControl's state (h, e) is staged like the classic error buffers; "tracking" changes only
+    # what step() does after the exchange.
+    results = run_ranks(_train, 2, 100, 1, 0, False, False, name, extra, timeout=TIMEOUT)
+    _check_equal(results, name)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_overlap_no_sync_accumulation(name):
+    for r in run_ranks(_train, 2, 100, 3, 0, False, False, name, timeout=TIMEOUT):
         assert r["calls_in_no_sync"] == [0] * (2 * STEPS)
         assert r["same"] == [True] * STEPS, r["same"]
         assert r["states_equal"]
 
 
-@pytest.mark.parametrize("bad_step", [2, 6], ids=["warmup", "compression"])
-def test_overlap_nonfinite_gradient_skips_everywhere_untouched(bad_step):
-    for r in run_ranks(_train, 2, 100, 1, bad_step, timeout=TIMEOUT):
+@pytest.mark.parametrize(
+    ("name", "bad_step"),
+    [
+        ("OnebitAdam", 2),
+        ("OnebitAdam", 6),
+        ("OnebitLamb", 2),
+        ("OnebitLamb", 4),
+        ("OnebitLamb", 6),
+        ("ZeroOneAdam", 2),
+        ("ZeroOneAdam", 3),
+        ("ZeroOneAdam", 6),
+    ],
+    ids=[
+        "OnebitAdam-warmup",
+        "OnebitAdam-compression",
+        "OnebitLamb-warmup",
+        "OnebitLamb-first-compression",
+        "OnebitLamb-compression",
+        "ZeroOneAdam-variance",
+        "ZeroOneAdam-1bit",
+        "ZeroOneAdam-sync",
+    ],
+)
+def test_overlap_nonfinite_gradient_skips_everywhere_untouched(name, bad_step):
+    # Several buckets: those without the inf are exchanged during backward, and must be dropped,
+    # not committed (1-bit LAMB at step 4: nor σ frozen).
+    for r in run_ranks(_train, 2, 100, 1, bad_step, False, False, name, timeout=TIMEOUT):
         assert r["untouched"] is True
         assert r["skipped"] == [1, 1]
         assert r["same"] == [True] * STEPS, r["same"]
         assert r["states_equal"]
 
 
-def test_overlap_second_synced_backward_equals_no_overlap():
+@pytest.mark.parametrize("name", NAMES)
+def test_overlap_second_synced_backward_equals_no_overlap(name):
     """Two passes per step without no_sync(): every bucket is exchanged twice (a second round of
     tickets), the last one wins, and the result is still overlap=False's, bit for bit."""
-    for r in run_ranks(_train, 2, 100, 2, 0, True, timeout=TIMEOUT):
+    for r in run_ranks(_train, 2, 100, 2, 0, True, False, name, timeout=TIMEOUT):
         assert r["same"] == [True] * STEPS, r["same"]
         assert r["states_equal"]
         assert r["skipped"] == [0, 0]
 
 
-def test_overlap_collectives_run_on_the_thread_in_exchange_order():
-    results = run_ranks(_train, 2, 100, 1, 0, False, True, timeout=TIMEOUT)
+#: per optimizer: (full-precision steps, 1-bit steps during backward, syncs in step())
+_PHASES = {"OnebitAdam": (FREEZE, STEPS - FREEZE, 0), "OnebitLamb": (FREEZE, STEPS - FREEZE, 0)}
+_PHASES["ZeroOneAdam"] = (3, 2, len(SYNC_STEPS))  # variance 1, 2, 4; 1-bit 3, 5; syncs 6, 8
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_overlap_collectives_run_on_the_thread_in_exchange_order(name):
+    results = run_ranks(_train, 2, 100, 1, 0, False, True, name, timeout=TIMEOUT)
+    averaged, exchanged, synced = _PHASES[name]
     for r in results:
         assert r["same"] == [True] * STEPS, r["same"]
         buckets = r["buckets"]
@@ -183,19 +274,64 @@ def test_overlap_collectives_run_on_the_thread_in_exchange_order():
         # gradients become ready from the last layer back: the last bucket goes first
         assert r["exchange_order"] == list(reversed(range(len(buckets))))
         thread = [(op, n) for who, op, n in r["log"] if who.startswith("commopt-")]
-        # per step, one bucket-sized op first per bucket (warmup: the average; compression:
-        # the exchange's first all_to_all of a padded bucket), in exchange order
+        # per full-precision step, one average per bucket, in exchange order (the classic
+        # exchange has no all_reduce)
         averages = [n for op, n in thread if op in ("all_reduce", "all_reduce_async")]
         in_order = [buckets[b] for b in r["exchange_order"]]
-        assert averages[: len(buckets) * FREEZE] == in_order * FREEZE
-        # the compression stage's exchanges all ran on the thread too
-        assert sum(op == "all_to_all" for op, _ in thread) == len(buckets) * (STEPS - FREEZE)
-        # ... and the main thread's only collectives are step()'s agreement and the order fix
+        assert averages == in_order * averaged
+        # the 1-bit exchanges started during backward all ran on the thread (one all_to_all
+        # each) ...
+        assert sum(op == "all_to_all" for op, _ in thread) == len(buckets) * exchanged
+        # ... and the main thread's only collectives are step()'s agreement, the order fix and
+        # 0/1 Adam's syncs
         main = [(op, n) for who, op, n in r["log"] if not who.startswith("commopt-")]
-        assert {op for op, _ in main} <= {"all_reduce", "broadcast"}
         assert sum(op == "broadcast" for op, _ in main) == 1
         assert all(n < 16 for op, n in main if op == "all_reduce"), main
+        assert sum(op == "all_to_all" for op, _ in main) == len(buckets) * synced
+        if not synced:
+            assert {op for op, _ in main} <= {"all_reduce", "broadcast"}
     assert results[0]["log"] == results[1]["log"]  # same collectives, same order, same threads
+
+
+def _resume(backend, name: str, split: int):
+    """overlap=True, saved after step ``split`` and loaded into a new model and a new
+    optimizer with overlap=True, against overlap=False straight through: per step, whether
+    parameters and every state buffer (error buffers included) are the same bits."""
+    warnings.simplefilter("ignore")
+    ref_model = _model()
+    ref = _make(name, ref_model.parameters(), backend, False, 100)
+    model = copy.deepcopy(ref_model)
+    opt = _make(name, model.parameters(), backend, True, 100)
+    same = []
+    for step in range(1, STEPS + 1):
+        if step == split + 1:  # each rank saves and restores its own model and optimizer
+            saved = copy.deepcopy((model.state_dict(), opt.state_dict()))
+            model = _model()
+            model.load_state_dict(saved[0])
+            opt = _make(name, model.parameters(), backend, True, 100)
+            opt.load_state_dict(saved[1])
+        g = torch.Generator().manual_seed(1000 * step + 10 * backend.rank)
+        x, y = torch.randn(5, 6, generator=g), torch.randn(5, 3, generator=g)
+        for m, o in ((model, opt), (ref_model, ref)):
+            o.zero_grad()
+            torch.nn.functional.mse_loss(m(x), y).backward()
+            o.step()
+        same.append(
+            torch.equal(_flat(model), _flat(ref_model))
+            and all(torch.equal(a, b) for a, b in zip(_state(opt), _state(ref), strict=True))
+            and opt.global_state == ref.global_state
+        )
+    return same, opt.comm_stats()["compressed_rounds"]
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("split", [3, 4])
+def test_overlap_resume_from_state_dict_equals_no_overlap(split, name):
+    # 3: 1-bit Adam resumes into its first compression step, 1-bit LAMB freezes σ during the
+    # first backward after the load; 4: the error buffers come from the checkpoint.
+    for same, compressed in run_ranks(_resume, 2, name, split, timeout=TIMEOUT):
+        assert same == [True] * STEPS, same
+        assert compressed > 0  # the resumed optimizer did exchange at one bit
 
 
 class _Broken(RuntimeError):

@@ -1,37 +1,55 @@
-"""OnebitAdam(overlap=True) on MpiBackend: the communication thread issues the MPI calls.
+"""overlap=True on MpiBackend: the communication thread issues the MPI calls.
 
 MPI is initialised by mpi4py at MPI_THREAD_MULTIPLE; the thread and ``step()`` never call MPI at
 the same time (``step()`` drains the thread first), so MPI_THREAD_SERIALIZED would be enough.
-Same checks as the gloo tests: bit-identical to overlap=False after every step, in the warmup
-and the compression stage, identical replicas, a second synced backward pass, no_sync sends
-nothing, and a non-finite gradient on one rank skips the step everywhere with nothing touched.
+Same checks as the gloo tests, for 1-bit Adam, 1-bit LAMB and 0/1 Adam: bit-identical to
+overlap=False after every step in every phase, identical replicas, a second synced backward
+pass, no_sync sends nothing, a non-finite gradient on one rank skips the step everywhere with
+nothing touched, and a resume from ``state_dict`` with overlap on.
 """
 
 from __future__ import annotations
 
+import pytest
 import torch
 from mpi4py import MPI
 
-from tests.multirank.test_overlap_gloo import STEPS, _train
+from tests.multirank.test_overlap_gloo import (
+    NAMES,
+    STEPS,
+    _compressed_in_step,
+    _resume,
+    _train,
+)
+
+#: a step exchanged at one bit during backward, with rank 1's gradient inf (1-bit LAMB: the
+#: first compression step, where σ is frozen)
+BAD_STEP = {"OnebitAdam": 6, "OnebitLamb": 4, "ZeroOneAdam": 3}
 
 
-def test_overlap_with_mpi_backend_equals_no_overlap(mpi_backend, allgather):
+@pytest.mark.parametrize("name", NAMES)
+def test_overlap_with_mpi_backend_equals_no_overlap(mpi_backend, allgather, name):
     assert MPI.Query_thread() >= MPI.THREAD_SERIALIZED
-    several = _train(mpi_backend, 100, 1, 0, False, True)
-    second_pass = _train(mpi_backend, 100, 2, 0, True)
-    accumulate = _train(mpi_backend, 100, 3, 0)
-    bad = _train(mpi_backend, 100, 1, 6)  # compression stage, rank 1's gradient is inf
-    everyone = allgather((several, second_pass, accumulate, bad))
-    for several, second_pass, accumulate, bad in everyone:
+    several = _train(mpi_backend, 100, 1, 0, False, True, name)
+    second_pass = _train(mpi_backend, 100, 2, 0, True, False, name)
+    accumulate = _train(mpi_backend, 100, 3, 0, False, False, name)
+    bad = _train(mpi_backend, 100, 1, BAD_STEP[name], False, False, name)
+    resumed, _ = _resume(mpi_backend, name, 4)
+    everyone = allgather((several, second_pass, accumulate, bad, resumed))
+    for several, second_pass, accumulate, bad, resumed in everyone:
         for r in (several, second_pass, accumulate, bad):
             assert r["same"] == [True] * STEPS, r["same"]
             assert r["states_equal"]
+        # 0/1 Adam's skipped step shifts its schedule: that run ends on a local step
+        for r in (several, second_pass, accumulate, *([bad] if name != "ZeroOneAdam" else [])):
             for replica in r["replicas"][1:]:
                 assert torch.equal(r["replicas"][0], replica)
         assert any(who.startswith("commopt-") for who, _, _ in several["log"])
-        assert several["compressed_in_step"] == [0] * STEPS
+        assert several["full_in_step"] == [0] * STEPS
+        assert several["compressed_in_step"] == _compressed_in_step(name, len(several["buckets"]))
         assert accumulate["calls_in_no_sync"] == [0] * (2 * STEPS)
         assert bad["untouched"] is True
         assert bad["skipped"] == [1, 1]
+        assert resumed == [True] * STEPS, resumed
     logs = [e[0]["log"] for e in everyone]
     assert all(log == logs[0] for log in logs)  # the same collectives in the same order
