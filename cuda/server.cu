@@ -10,11 +10,12 @@
 // Partial sums per element block. The chunk is cut into blocks of COMMOPT_SERVER_BLOCK elements
 // (the last one may be short), and partial[k] = Σ c_s² over element block k of the chunk, in
 // fp64. One CUDA block sums one element block in one fixed order: thread x adds the squares of
-// elements x, x + 256, x + 512, … of the element block in turn, then commopt_block_sum adds the
+// elements x, x + 256, x + 512, x + 768 of the element block in turn, then commopt_block_sum adds the
 // threads' sums. That order depends on neither the grid nor the range the launch covers, so the
 // chunk averaged in one launch (server_reduce_) or range by range (the pipelined allreduce's
 // stages, each starting at a multiple of COMMOPT_SERVER_BLOCK) gives the same partials, and
-// commopt_finish_rms adds them up to the same t, bit for bit.
+// commopt_finish_rms adds them up to the same t, bit for bit. 1024 elements (4 per thread) keep
+// a small chunk on many CUDA blocks and divide the pipeline's stage alignment (4096).
 //
 // Exactness: the same fp32 operations in the same order as the CPU reference:
 // acc = (((0 + v_0) + v_1) + ...), v_i = 2s_i·b − s_i; c_s = acc / n + f.
@@ -23,7 +24,7 @@
 
 #include "block_sum.cuh"
 
-#define COMMOPT_SERVER_BLOCK 4096
+#define COMMOPT_SERVER_BLOCK 1024
 
 // recv: n rows of length / 8 packed bytes, row-major: row i holds worker i's signs for
 // elements [lo, lo + length) of the chunk. scales: the n worker scales.

@@ -12,7 +12,7 @@ The CUDA C sources live in the repository's top-level ``cuda/`` folder (``worker
 - ``pack_worker_``: one pass; a warp ballot packs 32 signs into 4 bytes, MSB first, while each
   thread writes e ← c − s·sgn(c). s is read on the device: no host round trip.
 - ``server_reduce_``: one pass from the n received bit rows straight to c_s = a/n + f (stored in
-  f) with one fp64 partial sum of c_s² per 4096-element block, the same reduction to t, then the
+  f) with one fp64 partial sum of c_s² per 1024-element block, the same reduction to t, then the
   worker's pack kernel in place on f.
 - ``server_stages``: the same three kernels with the chunk cut into ranges, for the pipelined
   allreduce: the server kernel averages one range (offset, length) as its bits arrive and
@@ -60,8 +60,8 @@ _MAX_BLOCKS = 4096
 _MAX_GRID_Y = 65535
 # Elements per partial sum of the server kernel (COMMOPT_SERVER_BLOCK in cuda/server.cu): the
 # partials of a server chunk are the same whether it is averaged in one launch or range by range
-# (ranges starting at multiples of this), so t is too. Equal to commopt.pipelined.ALIGN.
-_SERVER_BLOCK = 4096
+# (ranges starting at multiples of this), so t is too. Divides commopt.pipelined.ALIGN.
+_SERVER_BLOCK = 1024
 
 
 class KernelLaunch(Protocol):
@@ -347,7 +347,7 @@ class CupyKernels:
 
     def server_stages(self, server_error: torch.Tensor) -> ServerStages:
         """:meth:`server_reduce_` in stages over ranges of f, for the pipelined allreduce (see
-        :class:`commopt.kernels.ServerStages`); ranges start at multiples of 4096 elements."""
+        :class:`commopt.kernels.ServerStages`); ranges start at multiples of 1024 elements."""
         return _CupyServerStages(self, server_error)
 
     def unpack_scaled_(self, bits: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> None:
@@ -379,7 +379,7 @@ class _CupyServerStages:
     r"""Steps 6–7 of one server chunk f in stages; equal to one ``server_reduce_`` bit for bit.
 
     ``average_`` runs ``commopt_server_average`` on one range, which writes the fp64 Σ c_s² of
-    each 4096-element block of the range into this chunk's partial sums; ``scale`` reduces all
+    each 1024-element block of the range into this chunk's partial sums; ``scale`` reduces all
     of them with ``commopt_finish_rms``, as ``server_reduce_`` does after averaging the whole
     chunk in one launch. Each block's sum is taken in one fixed order whatever the launch, so
     the partials, and t, are the same bits however the chunk was cut. ``pack_`` is the worker's

@@ -37,7 +37,7 @@ __all__ = [
 F32 = np.float32
 REF = TorchKernels()
 THREADS = 256  # COMMOPT_THREADS: the block size every commopt kernel is written for
-SERVER_BLOCK = 4096  # COMMOPT_SERVER_BLOCK: elements per partial sum of the server kernel
+SERVER_BLOCK = 1024  # COMMOPT_SERVER_BLOCK: elements per partial sum of the server kernel
 
 
 def values(rng: np.random.Generator, size: int, spread: int) -> np.ndarray:

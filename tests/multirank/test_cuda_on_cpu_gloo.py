@@ -183,7 +183,7 @@ def test_compressed_allreduce_through_the_cuda_kernels_equals_the_cpu_path(fiber
 
 
 # 4 ranks, N = 36 768: server chunks of 9192 elements, which pipeline=3 cuts into 3 stages,
-# [0, 4096), [4096, 8192) and [8192, 9192): the last a short 4096-element block.
+# [0, 4096), [4096, 8192) and [8192, 9192): the last 1000 elements (a short 1024-element block).
 PIPELINED_LENGTH = 4 * (2 * 4096 + 1000) - 3
 STAGES = 3
 

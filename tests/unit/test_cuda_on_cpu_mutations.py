@@ -119,7 +119,7 @@ def test_an_off_by_one_grid_stride_fails_the_grid_stride_check(file, index):
 
 
 def test_an_off_by_one_server_block_stride_fails_the_server_grid_stride_check():
-    """The server kernel's loop over 4096-element blocks (one CUDA block each, grid-strided)."""
+    """The server kernel's loop over 1024-element blocks (one CUDA block each, grid-strided)."""
     source = mutate(("server.cu",), "b += gridDim.x)", "b += gridDim.x + 1)", 0)
     runtime = CpuRuntime(fibers=True, source=source)
     wrappers(runtime)  # one CUDA block per element block: the block loop never wraps ...
