@@ -405,9 +405,10 @@ class _CupyServerStages:
             return
         m = server_error.numel()
         # NaN until averaged: a block left out would make t NaN rather than plausible.
-        self._partial = torch.full(
-            (max(1, _server_blocks(m)),), float("nan"), dtype=torch.float64, device=self.f.device
+        self._partial = torch.empty(
+            max(1, _server_blocks(m)), dtype=torch.float64, device=self.f.device
         )
+        self._partial.fill_(float("nan"))
         self._averaged: dict[int, int] = {}  # lo -> hi of every range averaged so far
 
     def _range(self, lo: int, length: int, what: str) -> int:
