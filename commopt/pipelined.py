@@ -18,12 +18,12 @@ range may be shorter), and range k of *every* chunk forms stage k:
    runs while stages k+1 … are on the wire.
 
 Same bytes, same results. Every element goes through the same fp32 operations as unpipelined;
-the scales are the same norms over the same elements (the numba kernels keep per-block sums of
-squares and add them in the unpipelined order; see ``ServerStages``); and the bytes a rank sends
-are those of the unpipelined call, in 2P+2 messages instead of 3 (plus the agreement), so the
-wire format is SPEC §1's. A kernel set without ``server_stages`` (the CuPy kernels) averages the
-whole chunk in one ``server_reduce_`` once every stage has arrived: the same collectives in the
-same order (so ranks with different kernel sets still match), without overlap on the server.
+the scales are the same norms over the same elements (the numba and CuPy kernels keep per-block
+sums of squares and add them in the unpipelined order; see ``ServerStages``); and the bytes a rank
+sends are those of the unpipelined call, in 2P+2 messages instead of 3 (plus the agreement), so the
+wire format is SPEC §1's. A kernel set without ``server_stages`` averages the whole chunk in one
+``server_reduce_`` once every stage has arrived: the same collectives in the same order (so ranks
+with different kernel sets still match), without overlap on the server.
 
 The stage count depends only on N, n and the ``pipeline`` argument, which every rank must pass
 alike. ``pipeline=None`` picks :func:`auto_stages`: one stage (no pipelining) below

@@ -20,12 +20,15 @@ from commopt.kernels import Kernels, TorchKernels
 from tests.cuda_on_cpu import CpuRuntime
 
 __all__ = [
+    "SERVER_BLOCK",
     "THREADS",
     "assert_within_one_ulp",
     "bits_of",
     "check_against_reference",
     "check_finish_rms",
     "check_grid_stride",
+    "check_server_grid_stride",
+    "check_server_stages",
     "exact_rms",
     "server_model",
     "values",
@@ -34,6 +37,7 @@ __all__ = [
 F32 = np.float32
 REF = TorchKernels()
 THREADS = 256  # COMMOPT_THREADS: the block size every commopt kernel is written for
+SERVER_BLOCK = 1024  # COMMOPT_SERVER_BLOCK: elements per partial sum of the server kernel
 
 
 def values(rng: np.random.Generator, size: int, spread: int) -> np.ndarray:
@@ -208,9 +212,9 @@ def check_grid_stride(runtime: CpuRuntime, grid: int, size: int, n: int, seed: i
     recv = rng.integers(0, 256, (n, chunk // 8), dtype=np.uint8)
     scales = (rng.random(n) * 2).astype(F32)
     f0 = values(rng, chunk, 2) * F32(0.01)
-    f, partial = f0.copy(), np.full(grid, np.nan)
+    f, partial = f0.copy(), np.full(-(-chunk // SERVER_BLOCK), np.nan)
     runtime.module("server.cu").get_function("commopt_server_average")(
-        (grid,), (THREADS,), (recv, scales, i32(n), i64(chunk // 8), f, partial)
+        (grid,), (THREADS,), (recv, scales, i32(n), i64(0), i64(chunk), f, partial)
     )
     c_s = server_model(recv, scales, f0)
     assert_same_bits(f, c_s, f"commopt_server_average c_s, grid {grid}")
@@ -236,3 +240,94 @@ def check_finish_rms(runtime: CpuRuntime, count: int) -> None:
     kernel = runtime.module("worker.cu").get_function("commopt_finish_rms")
     kernel((1,), (THREADS,), (partial, np.int32(count), np.int64(n), out))
     assert_within_one_ulp(out[0], float(np.sqrt(partial.sum()) / np.sqrt(n)), "finish_rms")
+
+
+def _server_case(rng: np.random.Generator, chunk: int, n: int, spread: int):
+    recv = rng.integers(0, 256, (n, chunk // 8), dtype=np.uint8)
+    scales = np.abs(values(rng, n, min(spread, 10))).astype(F32)
+    return recv, scales, values(rng, chunk, spread) * F32(0.01)
+
+
+def check_server_stages(
+    kernels: Kernels, chunk: int, n: int, seed: int, ranges: list[tuple[int, int]], spread: int = 6
+) -> None:
+    """``kernels.server_stages`` over ``ranges`` (averaged in the given order, packed in
+    reverse) against one ``server_reduce_`` of the same chunk: f, the bits and t bit for bit.
+    Then both against the CPU: the bits equal the CPU kernels' (get_kernels("cpu")), t is
+    within an ulp of the fp64 norm, and f is the reference's update given that t."""
+    from commopt.kernels import get_kernels
+
+    rng = np.random.default_rng(seed)
+    recv, scales, f0 = _server_case(rng, chunk, n, spread)
+    f_whole = _t(f0)
+    bits_whole = torch.full((chunk // 8,), 0x5A, dtype=torch.uint8)
+    t_whole = kernels.server_reduce_(_t(recv), _t(scales), f_whole, bits_whole)
+
+    f_staged = _t(f0)
+    bits_staged = torch.full((chunk // 8,), 0xA5, dtype=torch.uint8)
+    stages = kernels.server_stages(f_staged)
+    assert all(lo % stages.align == 0 for lo, _ in ranges), (ranges, stages.align)
+    for lo, hi in ranges:  # each stage's rows arrive as their own [n, (hi − lo)/8] tensor
+        stages.average_(_t(recv[:, lo // 8 : hi // 8]), _t(scales), lo)
+    t_staged = stages.scale()
+    for lo, hi in reversed(ranges):
+        stages.pack_(t_staged, lo, bits_staged[lo // 8 : hi // 8])
+    where = f"chunk {chunk}, n {n}, ranges {ranges}"
+    assert t_staged.dtype == torch.float32 and t_staged.shape == (1,)
+    assert_same_bits(t_staged, t_whole, f"staged t vs server_reduce_ t ({where})")
+    assert_same_bits(bits_staged, bits_whole, f"staged bits vs server_reduce_ bits ({where})")
+    assert_same_bits(f_staged, f_whole, f"staged f vs server_reduce_ f ({where})")
+
+    c_s = server_model(recv, scales, f0)
+    assert_within_one_ulp(t_staged.item(), exact_rms(c_s), f"staged t ({where})")
+    expect_f, scratch = _t(c_s), torch.empty(chunk // 8, dtype=torch.uint8)
+    REF.pack_worker_(_t(c_s), t_staged.clone(), expect_f, scratch)
+    assert_same_bits(f_staged, expect_f, f"staged f vs the reference given t ({where})")
+    cpu = get_kernels("cpu")
+    f_cpu, bits_cpu = _t(f0), torch.empty(chunk // 8, dtype=torch.uint8)
+    t_cpu = cpu.server_reduce_(_t(recv), _t(scales), f_cpu, bits_cpu)
+    assert_same_bits(bits_staged, bits_cpu, f"staged bits vs {cpu.name} ({where})")
+    if t_cpu.item() == t_staged.item():  # the norms agree to an ulp; equal t → equal f
+        assert_same_bits(f_staged, f_cpu, f"staged f vs {cpu.name} ({where})")
+
+
+def check_server_grid_stride(
+    runtime: CpuRuntime, grid: int, chunk: int, n: int, seed: int, split: int
+) -> None:
+    """``commopt_server_average`` launched directly with ``grid`` blocks, fewer than the chunk
+    has element blocks (so its block loop wraps), once over the whole chunk and once as two
+    ranges cut at ``split``: c_s equals the model, and every partial sum equals, bit for bit,
+    the one a launch with one block per element block writes (the wrapper's grid)."""
+    rng = np.random.default_rng(seed)
+    blocks = -(-chunk // SERVER_BLOCK)
+    assert grid < blocks, "the grid must be smaller than the chunk's element blocks"
+    assert 0 < split < chunk and split % SERVER_BLOCK == 0
+    kernel = runtime.module("server.cu").get_function("commopt_server_average")
+    i64, i32 = np.int64, np.int32
+    recv, scales, f0 = _server_case(rng, chunk, n, 3)
+    c_s = server_model(recv, scales, f0)
+
+    f_ref, partial_ref = f0.copy(), np.full(blocks, np.nan)
+    kernel((blocks,), (THREADS,), (recv, scales, i32(n), i64(0), i64(chunk), f_ref, partial_ref))
+    assert_same_bits(f_ref, c_s, "commopt_server_average c_s, one block per element block")
+    for k in range(blocks):
+        part = c_s[k * SERVER_BLOCK : (k + 1) * SERVER_BLOCK].astype(np.float64)
+        _partial_sum_ok(partial_ref[k : k + 1], float(np.dot(part, part)), f"server partial {k}")
+
+    f, partial = f0.copy(), np.full(blocks, np.nan)
+    kernel((grid,), (THREADS,), (recv, scales, i32(n), i64(0), i64(chunk), f, partial))
+    assert_same_bits(f, c_s, f"commopt_server_average c_s, grid {grid}")
+    assert_same_bits(
+        partial.view(np.uint64), partial_ref.view(np.uint64), f"server partials, grid {grid}"
+    )
+
+    f, partial = f0.copy(), np.full(blocks, np.nan)
+    for lo, hi in ((split, chunk), (0, split)):
+        rows = np.ascontiguousarray(recv[:, lo // 8 : hi // 8])
+        kernel((grid,), (THREADS,), (rows, scales, i32(n), i64(lo), i64(hi - lo), f, partial))
+    assert_same_bits(f, c_s, f"commopt_server_average c_s in two ranges, grid {grid}")
+    assert_same_bits(
+        partial.view(np.uint64),
+        partial_ref.view(np.uint64),
+        f"server partials in two ranges, grid {grid}",
+    )

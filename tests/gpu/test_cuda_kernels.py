@@ -140,6 +140,36 @@ def test_server_kernel_matches_cpu(n, chunk_bytes):
 
 
 @pytest.mark.parametrize(
+    "n,chunk,stages", [(1, 8, 1), (3, 3 * 4096 + 8, 4), (4, 1 << 20, 3), (7, 40_008, 3)]
+)
+def test_staged_server_step_equals_server_reduce(n, chunk, stages):
+    """server_stages (the pipelined allreduce's server step) against one server_reduce_ on the
+    GPU: f, bits and t bit for bit, ranges averaged in reverse order; bits equal the CPU's."""
+    from commopt.pipelined import stage_ranges
+
+    rng = np.random.default_rng(n * 31 + chunk)
+    recv = torch.from_numpy(rng.integers(0, 256, (n, chunk // 8), dtype=np.uint8)).to(DEV)
+    scales = torch.from_numpy((rng.random(n) * 2).astype(F32)).to(DEV)
+    f0 = torch.from_numpy(values(rng, chunk) * F32(0.01)).to(DEV)
+    f_whole, bits_whole = f0.clone(), torch.empty(chunk // 8, dtype=torch.uint8, device=DEV)
+    t_whole = GPU.server_reduce_(recv, scales, f_whole, bits_whole)
+    f_staged, bits_staged = f0.clone(), torch.empty(chunk // 8, dtype=torch.uint8, device=DEV)
+    server = GPU.server_stages(f_staged)
+    ranges = stage_ranges(chunk, stages)
+    for lo, hi in reversed(ranges):
+        server.average_(recv[:, lo // 8 : hi // 8].contiguous(), scales, lo)
+    t_staged = server.scale()
+    for lo, hi in ranges:
+        server.pack_(t_staged, lo, bits_staged[lo // 8 : hi // 8])
+    np.testing.assert_array_equal(raw(t_staged), raw(t_whole))
+    np.testing.assert_array_equal(raw(bits_staged), raw(bits_whole))
+    np.testing.assert_array_equal(raw(f_staged), raw(f_whole))
+    f_cpu, bits_cpu = f0.cpu(), torch.empty(chunk // 8, dtype=torch.uint8)
+    CPU_FAST.server_reduce_(recv.cpu(), scales.cpu(), f_cpu, bits_cpu)
+    np.testing.assert_array_equal(raw(bits_staged), raw(bits_cpu))
+
+
+@pytest.mark.parametrize(
     "n,chunk_bytes,length", [(1, 2, 16), (3, 2, 37), (4, 4097, 4 * 8 * 4097 - 5), (8, 999, 1)]
 )
 def test_unpack_kernel_matches_cpu(n, chunk_bytes, length):

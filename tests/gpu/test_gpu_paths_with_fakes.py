@@ -72,6 +72,12 @@ class OnDevice:
     def detach(self) -> OnDevice:
         return self
 
+    def contiguous(self) -> OnDevice:
+        return self._same(self.inner.contiguous())
+
+    def __getitem__(self, key: Any) -> OnDevice:
+        return self._same(self.inner[key])
+
 
 class FakeStream:
     def __init__(self, device: torch.device, log: list[str]) -> None:
@@ -337,3 +343,45 @@ def test_cupy_runtime_launches_on_torchs_stream_and_matches_the_reference(fake_c
     assert all(entry.endswith("device=0 stream=(20480, 0)") for entry in launches), launches
     # One compile per source per device, each inside that device's context.
     assert fake_cupy["compiled"] == [0, 0, 0]
+
+
+def test_cupy_runtime_runs_the_staged_server_step_on_torchs_stream(fake_cupy, log):
+    """server_stages through CupyRuntime: every launch (average per range, t, pack per range)
+    on the chunk's device and torch's current stream, and the result server_reduce_'s bits."""
+    from tests.cuda_on_cpu.checks import SERVER_BLOCK, values
+
+    kernels = cupy_kernels.CupyKernels()
+    rng = np.random.default_rng(3)
+    n, chunk = 3, 2 * SERVER_BLOCK + 40
+    recv = torch.from_numpy(rng.integers(0, 256, (n, chunk // 8), dtype=np.uint8))
+    scales = torch.from_numpy(np.abs(values(rng, n, 2)))
+    f0 = torch.from_numpy(values(rng, chunk, 3) * np.float32(0.01))
+    f_whole, bits_whole = f0.clone(), torch.empty(chunk // 8, dtype=torch.uint8)
+    t_whole = kernels.server_reduce_(
+        OnDevice(recv, log),
+        OnDevice(scales, log),
+        OnDevice(f_whole, log),
+        OnDevice(bits_whole, log),
+    ).inner
+    del log[:]
+    f_staged, bits_staged = f0.clone(), torch.empty(chunk // 8, dtype=torch.uint8)
+    stages = kernels.server_stages(OnDevice(f_staged, log))
+    ranges = [(SERVER_BLOCK, chunk), (0, SERVER_BLOCK)]
+    for lo, hi in ranges:
+        rows = OnDevice(recv[:, lo // 8 : hi // 8].contiguous(), log)
+        stages.average_(rows, OnDevice(scales, log), lo)
+    t_staged = stages.scale()
+    for lo, hi in ranges:
+        stages.pack_(t_staged, lo, OnDevice(bits_staged[lo // 8 : hi // 8], log))
+    launches = [entry for entry in log if entry.startswith("commopt_")]
+    assert [entry.split()[0] for entry in launches] == [
+        "commopt_server_average",
+        "commopt_server_average",
+        "commopt_finish_rms",
+        "commopt_pack_update",
+        "commopt_pack_update",
+    ]
+    assert all(entry.endswith("device=0 stream=(20480, 0)") for entry in launches), launches
+    assert torch.equal(t_staged.inner.view(torch.int32), t_whole.view(torch.int32))
+    assert torch.equal(f_staged.view(torch.int32), f_whole.view(torch.int32))
+    assert torch.equal(bits_staged, bits_whole)

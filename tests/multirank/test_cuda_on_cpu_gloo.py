@@ -7,6 +7,10 @@ TorchKernels, given the same scales: s and t are fp64 reductions in the kernels'
 the replay takes each rank's recorded s and t (after checking them to one ulp of an fp64 norm)
 and does everything else itself. Outputs, worker and server errors must be equal bit for bit,
 and the outputs identical on every rank.
+
+The pipelined allreduce (``pipeline=3``) goes through the kernels' staged server step
+(``CupyKernels.server_stages``: the server kernel on one range per stage): its outputs, errors
+and every t must equal ``pipeline=1``'s with the same kernels, and the CPU replay's.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import torch
 from commopt import compressed_allreduce, padded_size
 from commopt.kernels import TorchKernels, use_kernels
 from commopt.kernels.cupy_kernels import CupyKernels
+from commopt.pipelined import stage_ranges
 from tests.multirank.harness import run_ranks
 
 if shutil.which("g++") is None:
@@ -63,6 +68,27 @@ class _Recording:
     def unpack_scaled_(self, bits, scales, out):
         self.inner.unpack_scaled_(bits, scales, out)
 
+    def server_stages(self, server_error):
+        return _RecordingStages(self.inner.server_stages(server_error), self.t)
+
+
+class _RecordingStages:
+    """The inner kernels' staged server step, recording t like ``server_reduce_``'s."""
+
+    def __init__(self, inner, t: list[torch.Tensor]) -> None:
+        self.inner, self.t, self.align = inner, t, inner.align
+
+    def average_(self, recv_bits, scales, lo):
+        self.inner.average_(recv_bits, scales, lo)
+
+    def scale(self):
+        t = self.inner.scale()
+        self.t.append(t.clone())
+        return t
+
+    def pack_(self, t, lo, bits):
+        self.inner.pack_(t, lo, bits)
+
 
 class _TorchWithScales:
     """TorchKernels, except that s and t are the recorded ones (each checked to one ulp)."""
@@ -99,7 +125,7 @@ class _TorchWithScales:
         REF.unpack_scaled_(bits, scales, out)
 
 
-def _calls(backend, kernels, length: int) -> dict[str, list[np.ndarray]]:
+def _calls(backend, kernels, length: int, pipeline: int = 1) -> dict[str, list[np.ndarray]]:
     n = backend.world_size
     padded = padded_size(length, n)
     e, f = torch.zeros(padded), torch.zeros(padded // n)
@@ -108,7 +134,8 @@ def _calls(backend, kernels, length: int) -> dict[str, list[np.ndarray]]:
         for call in range(CALLS):
             gen = torch.Generator().manual_seed(1000 * backend.rank + call)
             x = torch.randn(length, generator=gen) * 10.0 ** (call - 1) + 0.1 * backend.rank
-            record["y"].append(compressed_allreduce(x, e, f, backend).numpy().copy())
+            y = compressed_allreduce(x, e, f, backend, pipeline=pipeline)
+            record["y"].append(y.numpy().copy())
             record["e"].append(e.numpy().copy())
             record["f"].append(f.numpy().copy())
     return record
@@ -153,3 +180,56 @@ def test_compressed_allreduce_through_the_cuda_kernels_equals_the_cpu_path(fiber
             assert np.array_equal(per_rank[rank]["cuda"]["y"][call].view(np.uint32), y0), (
                 f"call {call}: rank {rank}'s output differs from rank 0's"
             )
+
+
+# 4 ranks, N = 36 768: server chunks of 9192 elements, which pipeline=3 cuts into 3 stages,
+# [0, 4096), [4096, 8192) and [8192, 9192): the last 1000 elements (a short 1024-element block).
+PIPELINED_LENGTH = 4 * (2 * 4096 + 1000) - 3
+STAGES = 3
+
+
+def _staged_unstaged_cpu(backend) -> dict:
+    staged_runtime = CpuRuntime(fibers=True)
+    staged = _Recording(CupyKernels(runtime=staged_runtime))
+    unstaged = _Recording(CupyKernels(runtime=CpuRuntime(fibers=True)))
+    on_staged = _calls(backend, staged, PIPELINED_LENGTH, pipeline=STAGES)
+    on_unstaged = _calls(backend, unstaged, PIPELINED_LENGTH, pipeline=1)
+    on_cpu = _calls(backend, _TorchWithScales(staged.s, staged.t), PIPELINED_LENGTH)
+    averages = sum(name == "commopt_server_average" for name, _, _ in staged_runtime.launches)
+    return {
+        "staged": on_staged,
+        "unstaged": on_unstaged,
+        "cpu": on_cpu,
+        "t": [torch.cat(staged.t).numpy(), torch.cat(unstaged.t).numpy()],
+        "averages": averages,
+    }
+
+
+def test_pipelined_allreduce_with_the_staged_cuda_server_step():
+    """compressed_allreduce(pipeline=3) with the CUDA kernels' staged server step equals
+    pipeline=1 with the same kernels (outputs, e, f and every t bit for bit) and the CPU path
+    given the same scales, on every rank; and the server kernel ran once per stage."""
+    assert len(stage_ranges(padded_size(PIPELINED_LENGTH, 4) // 4, STAGES)) == STAGES
+    runtime = CpuRuntime(fibers=True)
+    for source in ("worker.cu", "server.cu", "unpack.cu"):
+        runtime.module(source)  # compile once here, before the ranks fork
+    per_rank = run_ranks(_staged_unstaged_cpu, 4, timeout=TIMEOUT)
+    for rank, result in enumerate(per_rank):
+        assert result["averages"] == STAGES * CALLS, f"rank {rank}: the server was not staged"
+        staged_t, unstaged_t = result["t"]
+        assert np.array_equal(staged_t.view(np.uint32), unstaged_t.view(np.uint32)), (
+            f"rank {rank}: t staged {staged_t} vs whole chunk {unstaged_t}"
+        )
+        for other in ("unstaged", "cpu"):
+            for key in ("y", "e", "f"):
+                for call in range(CALLS):
+                    got = result["staged"][key][call].view(np.uint32)
+                    expect = result[other][key][call].view(np.uint32)
+                    assert np.array_equal(got, expect), (
+                        f"rank {rank}, call {call}: {key} of the staged CUDA path differs from "
+                        f"the {other} path at {np.flatnonzero(got != expect)[:5]}"
+                    )
+    for call in range(CALLS):
+        y0 = per_rank[0]["staged"]["y"][call].view(np.uint32)
+        for rank in range(1, 4):
+            assert np.array_equal(per_rank[rank]["staged"]["y"][call].view(np.uint32), y0)

@@ -3,10 +3,10 @@
 On 2, 3 and 4 forked gloo ranks, each rank runs the same sequence of calls twice, once with
 ``pipeline=1`` and once staged, with separate error buffers, and returns outputs, e and f after
 every call: they must have the same bits, for the numba kernels, the reference TorchKernels and
-a kernel set without ``server_stages`` (the whole-chunk fallback the CuPy kernels take). Sizes
-include odd ones and ones not divisible by 8·n·stages. The bytes counted must be the same, in
-2·stages + 3 messages. Errors (non-finite input, different lengths) are raised on every rank
-before anything changes, as unpipelined.
+a kernel set without ``server_stages`` (the whole-chunk fallback), and the CUDA kernels run on
+the CPU (their own staged server step). Sizes include odd ones and ones not divisible by
+8·n·stages. The bytes counted must be the same, in 2·stages + 3 messages. Errors (non-finite
+input, different lengths) are raised on every rank before anything changes, as unpipelined.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ CALLS = 3
 
 
 class _NoStages:
-    """A kernel set without ``server_stages`` (like CupyKernels): the whole-chunk fallback."""
+    """A kernel set without ``server_stages``: the whole-chunk fallback."""
 
     def __init__(self, inner) -> None:
         self.inner = inner

@@ -14,21 +14,26 @@ import shutil
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from commopt.kernels.cuda_sources import cuda_source
 from commopt.kernels.cupy_kernels import CupyKernels
+from commopt.pipelined import ALIGN, stage_ranges
 
 if shutil.which("g++") is None:
     pytest.skip("g++ is not installed (scripts/test.sh installs it)", allow_module_level=True)
 
 from tests.cuda_on_cpu import CpuRuntime, KernelLaunchError, compile_source
 from tests.cuda_on_cpu.checks import (
+    SERVER_BLOCK,
     THREADS,
     check_against_reference,
     check_finish_rms,
     check_grid_stride,
+    check_server_grid_stride,
+    check_server_stages,
 )
 
 FIBERS = CpuRuntime(fibers=True)
@@ -95,8 +100,107 @@ def test_every_kernel_is_executed_and_grids_are_the_wrappers():
     grids = {name: grid for name, grid, _ in runtime.launches}
     assert grids["commopt_compensate"] == (391,)  # ceil(100_000 / 256): odd, ragged last block
     assert grids["commopt_finish_rms"] == (1,)
-    assert grids["commopt_server_average"] == (79,)  # 20_000-element server chunk
+    assert grids["commopt_server_average"] == (20,)  # 20_000-element chunk, 1024-element blocks
     assert grids["commopt_unpack_scaled"] == (79, 5)
+
+
+# -- the staged server step (the pipelined allreduce) ---------------------------------------------
+B = SERVER_BLOCK
+STAGED_CASES = {
+    "one byte": (8, 1, [(0, 8)]),
+    "one block": (B, 2, [(0, B)]),
+    "a block and 8": (B + 8, 3, [(B, B + 8), (0, B)]),
+    "pipelined 4 of 3·ALIGN+8": (3 * ALIGN + 8, 4, stage_ranges(3 * ALIGN + 8, 4)),
+    "short last block": (20_000, 5, [(2 * B, 20_000), (0, B), (B, 2 * B)]),
+    "block by block": (5 * B, 9, [(k * B, (k + 1) * B) for k in (3, 0, 4, 2, 1)]),
+    "pipelined 3 of 40 008": (40_008, 7, stage_ranges(40_008, 3)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(STAGED_CASES))
+def test_staged_server_step_equals_server_reduce(case):
+    """f, bits and t of the staged server step equal one server_reduce_ bit for bit (fibers)."""
+    chunk, n, ranges = STAGED_CASES[case]
+    check_server_stages(CupyKernels(runtime=FIBERS), chunk, n, seed=chunk + n, ranges=ranges)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    chunk_bytes=st.one_of(st.integers(1, 600), st.integers(1, 12_500)),
+    n=st.integers(1, 9),
+    stages=st.integers(1, 8),
+    seed=st.integers(0, 2**32 - 1),
+    spread=st.integers(0, 15),
+)
+def test_staged_server_step_any_size_and_order(chunk_bytes, n, stages, seed, spread):
+    """Chunks of 8 … 10⁵ elements in the pipelined allreduce's stage ranges, averaged in a
+    random order; magnitudes up to 1e±15 with ±0 and subnormals."""
+    chunk = 8 * chunk_bytes
+    ranges = stage_ranges(chunk, stages)
+    order = np.random.default_rng(seed).permutation(len(ranges))
+    ranges = [ranges[i] for i in order]
+    check_server_stages(CupyKernels(runtime=FIBERS), chunk, n, seed, ranges, spread)
+
+
+def test_staged_server_step_on_os_threads_and_random_schedules():
+    ranges = [(B, 2 * B + 64), (0, B)]
+    check_server_stages(CupyKernels(runtime=OS_THREADS), 2 * B + 64, 3, 5, ranges)
+    for seed in (1, 2):
+        runtime = CpuRuntime(fibers=True, jitter=True, seed=seed)
+        check_server_stages(
+            CupyKernels(runtime=runtime),
+            3 * B + 8,
+            4,
+            seed,
+            ranges=[(2 * B, 3 * B + 8), (0, B), (B, 2 * B)],
+        )
+
+
+def test_staged_server_step_runs_the_cuda_kernels_with_pipelined_alignment():
+    runtime = CpuRuntime(fibers=True)
+    kernels = CupyKernels(runtime=runtime)
+    check_server_stages(kernels, 20_000, 3, 1, [(0, 2 * B), (2 * B, 20_000)])
+    assert ALIGN % kernels.server_stages(torch.zeros(8)).align == 0 and B == 1024
+    staged = [name for name, _, _ in runtime.launches][3:]  # after server_reduce_'s three
+    assert (
+        staged
+        == ["commopt_server_average"] * 2 + ["commopt_finish_rms"] + ["commopt_pack_update"] * 2
+    )
+    # a chunk the kernels do not take goes to the reference's stages, as server_reduce_ does
+    f64 = torch.zeros(16, dtype=torch.float64)
+    assert type(kernels.server_stages(f64)._fallback).__name__ == "_TorchServerStages"
+
+
+def test_staged_server_step_refuses_ranges_that_break_the_blocks():
+    kernels = CupyKernels(runtime=FIBERS)
+    n, chunk = 2, 2 * B + 8
+    recv = torch.zeros(n, chunk // 8, dtype=torch.uint8)
+    scales = torch.ones(n)
+    stages = kernels.server_stages(torch.zeros(chunk))
+    with pytest.raises(ValueError, match=r"range \[8, 1032\) .* must start at a multiple of 1024"):
+        stages.average_(recv[:, : B // 8], scales, 8)
+    with pytest.raises(ValueError, match=r"range \[0, 8\) .* end at one or at the end"):
+        stages.average_(recv[:, :1], scales, 0)
+    with pytest.raises(ValueError, match=r"range \[1024, 2064\) of a 2056-element chunk"):
+        stages.average_(recv[:, : B // 8 + 2], scales, B)  # runs past the end of f
+    stages.average_(recv[:, B // 8 :], scales, B)
+    with pytest.raises(ValueError, match=r"\[1024, 2056\) was averaged already"):
+        stages.average_(recv[:, B // 8 :], scales, B)
+    with pytest.raises(ValueError, match=r"after averaging 1032 of the chunk's 2056 elements"):
+        stages.scale()
+
+
+@pytest.mark.parametrize(
+    "grid,chunk,n,split",
+    [(1, 3 * B + 8, 2, B), (2, 5 * B + 1000, 5, 2 * B), (3, 40_000, 9, 4 * B)],
+)
+def test_server_block_loop_wraps_and_partials_ignore_the_grid(grid, chunk, n, split):
+    """Fewer CUDA blocks than element blocks, whole chunk and two ranges: the same partials."""
+    check_server_grid_stride(FIBERS, grid, chunk, n, seed=grid + n, split=split)
+
+
+def test_server_block_loop_wraps_on_os_threads():
+    check_server_grid_stride(OS_THREADS, 1, 2 * B + 8, 3, seed=1, split=B)
 
 
 # -- grid-stride loops, odd block counts -------------------------------------------------------

@@ -6,7 +6,9 @@ off-by-one in a grid stride. Each mutation is a text replacement on ``cuda_sourc
 replaced text must exist: a test also fails if the source drifts away from it), compiled and run
 through the same checks as tests/unit/test_cuda_on_cpu.py. The stride mutations pass the
 wrapper-level check (the wrappers launch enough blocks that no loop wraps) and are caught only by
-the grid-stride check, which is why that check exists.
+the grid-stride check, which is why that check exists. A fourth kind belongs to the staged
+server step (issue #12): a range's offset dropped in the server kernel, which averaging the whole
+chunk from offset 0 cannot notice and the staged check must.
 """
 
 from __future__ import annotations
@@ -23,7 +25,16 @@ if shutil.which("g++") is None:
     pytest.skip("g++ is not installed (scripts/test.sh installs it)", allow_module_level=True)
 
 from tests.cuda_on_cpu import CpuRuntime, KernelLaunchError
-from tests.cuda_on_cpu.checks import check_against_reference, check_finish_rms, check_grid_stride
+from tests.cuda_on_cpu.checks import (
+    SERVER_BLOCK,
+    check_against_reference,
+    check_finish_rms,
+    check_grid_stride,
+    check_server_grid_stride,
+    check_server_stages,
+)
+
+B = SERVER_BLOCK
 
 DETECTED = (AssertionError, KernelLaunchError)
 
@@ -90,12 +101,11 @@ def test_a_dropped_syncthreads_fails_under_randomised_scheduling(runtime_args):
 
 STRIDE = "(long long)gridDim.x * blockDim.x;"
 STRIDES = [
-    # (file, occurrence of STRIDE): compensate, scale, pack_update, pack_compensated; server; unpack
+    # (file, occurrence of STRIDE): compensate, scale, pack_update, pack_compensated; unpack
     ("worker.cu", 0),
     ("worker.cu", 1),
     ("worker.cu", 2),
     ("worker.cu", 3),
-    ("server.cu", 0),
     ("unpack.cu", 0),
 ]
 
@@ -106,6 +116,38 @@ def test_an_off_by_one_grid_stride_fails_the_grid_stride_check(file, index):
     wrappers(runtime)  # the wrappers' grids cover the data in one pass: no loop wraps ...
     with pytest.raises(DETECTED):  # ... so only a grid smaller than the data notices
         check_grid_stride(runtime, 3, 20_000, 5, seed=1)
+
+
+def test_an_off_by_one_server_block_stride_fails_the_server_grid_stride_check():
+    """The server kernel's loop over 1024-element blocks (one CUDA block each, grid-strided)."""
+    source = mutate(("server.cu",), "b += gridDim.x)", "b += gridDim.x + 1)", 0)
+    runtime = CpuRuntime(fibers=True, source=source)
+    wrappers(runtime)  # one CUDA block per element block: the block loop never wraps ...
+    check_server_stages(CupyKernels(runtime=runtime), 3 * B + 8, 3, 1, [(0, B), (B, 3 * B + 8)])
+    with pytest.raises(DETECTED, match=r"commopt_server_average"):  # ... unless the grid is small
+        check_server_grid_stride(runtime, 1, 3 * B + 8, 2, seed=1, split=B)
+
+
+# The staged server step: a range's offset dropped, in f or in the partial sums. Averaging the
+# whole chunk in one launch (offset 0) cannot notice; the staged check must.
+RANGE_OFFSETS = {
+    "f offset dropped": ("float* const range = f + lo;", "float* const range = f;"),
+    "partial offset dropped": (
+        "partial + lo / COMMOPT_SERVER_BLOCK;",
+        "partial + 0 / COMMOPT_SERVER_BLOCK;",
+    ),
+}
+
+
+@pytest.mark.parametrize("mutation", sorted(RANGE_OFFSETS))
+def test_a_dropped_range_offset_fails_the_staged_check(mutation):
+    old, new = RANGE_OFFSETS[mutation]
+    kernels = CupyKernels(
+        runtime=CpuRuntime(fibers=True, source=mutate(("server.cu",), old, new, 0))
+    )
+    wrappers(kernels._runtime)  # server_reduce_ averages from offset 0: unaffected ...
+    with pytest.raises(AssertionError, match=r"staged"):  # ... the staged step is not
+        check_server_stages(kernels, 3 * B + 8, 3, 1, [(2 * B, 3 * B + 8), (0, B), (B, 2 * B)])
 
 
 def test_an_off_by_one_row_stride_fails_the_grid_stride_check():
