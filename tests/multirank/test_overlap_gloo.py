@@ -160,6 +160,7 @@ def _train(
         "log": recorder.log if recorder is not None else None,
         "buckets": [s.bucket.numel for s in opts[0].flat_states],
         "exchange_order": opts[0].early_work.exchange_order,
+        "exchange": opts[0].exchange.name,
     }
 
 
@@ -204,6 +205,26 @@ def test_overlap_with_options_equals_no_overlap(name, extra):
     # EControl's state (h, e) is staged like the classic error buffers; "tracking" changes only
     # what step() does after the exchange.
     results = run_ranks(_train, 2, 100, 1, 0, False, False, name, extra, timeout=TIMEOUT)
+    _check_equal(results, name)
+
+
+def _train_two_nodes(backend, name: str):
+    """:func:`_train` with ``topology="hierarchical"`` on 2 faked nodes × 2 ranks."""
+    import os
+
+    os.environ.update(
+        LOCAL_RANK=str(backend.rank % 2), LOCAL_WORLD_SIZE="2", GROUP_RANK=str(backend.rank // 2)
+    )
+    return _train(backend, 100, 1, 0, False, False, name, {"topology": "hierarchical"})
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_overlap_with_the_hierarchical_exchange_equals_no_overlap(name):
+    # The hierarchical exchange's collectives (node and cross groups) run on the thread too.
+    results = run_ranks(_train_two_nodes, 4, name, timeout=TIMEOUT)
+    assert [r["exchange"] for r in results] == [
+        f"hierarchical:2x2:{i}.{j}" for i in (0, 1) for j in (0, 1)
+    ]
     _check_equal(results, name)
 
 
