@@ -314,6 +314,18 @@ class CupyKernels:
             self._pack(launch, server_error, t, server_error, bits)  # f holds c_s: in place
         return t
 
+    def guard_denominator_(
+        self,
+        out: torch.Tensor,
+        m: torch.Tensor,
+        d: torch.Tensor,
+        bound: float,
+        where: torch.Tensor,
+    ) -> None:
+        """The step guard on the elements ``where``: torch's indexing, already one gather and
+        one scatter on the GPU (see :meth:`TorchKernels.guard_denominator_`)."""
+        self._reference.guard_denominator_(out, m, d, bound, where)
+
     def unpack_scaled_(self, bits: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> None:
         r"""Step 9: out = concat_j t_j·sgn(bits_j), first out.numel() elements."""
         if not (self._plain(bits, scales, out) and scales.dtype == out.dtype == torch.float32):
