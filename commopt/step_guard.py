@@ -34,12 +34,14 @@ It is an intended difference from the papers and from DeepSpeed, which apply m/(
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import TYPE_CHECKING
 
 import torch
 
 from commopt.buckets import Segment
+from commopt.kernels import get_kernels
 
 if TYPE_CHECKING:
     from commopt.optim.flat_state import FlatState
@@ -63,8 +65,13 @@ the threshold, with a momentum of the bucket's typical size (≈ √mean(v)), st
 clamp at B (7.27 at the papers' betas) can only bind below it; above it, nothing changes."""
 
 
+@functools.lru_cache(maxsize=64)
 def adam_step_bound(beta1: float, beta2: float, bias_correction: bool = False) -> float:
     r"""B: the largest |m/√v| (|m̂/√v̂| with ``bias_correction``) exact Adam can reach.
+
+    Kept per (β1, β2, bias_correction): with bias correction it scans t until β2^t < 1e-12,
+    ≈ 27,600 terms (24 ms) at β2 = 0.999, which every compression step would otherwise pay per
+    guarded segment.
 
     ``math.inf`` when β1² ≥ β2: then no such bound exists (a gradient growing like (β1/β2)^−k
     makes the ratio grow without limit) and the guard is off.
@@ -127,17 +134,26 @@ def guarded_denominator(
     d: torch.Tensor,
     bound: float,
     where: torch.Tensor | slice,
+    *,
+    copy: bool = True,
 ) -> torch.Tensor:
     """out = d, except out[where] = max(d, |m|/bound) there: then |m/out| ≤ bound (to within an
     ulp) where the guard acts, and ``addcdiv(m, out)`` gives every other element exactly the bits
-    of ``addcdiv(m, d)`` (clamping m/d and dividing by 1 would round differently). Returns out."""
-    out.copy_(d)
+    of ``addcdiv(m, d)`` (clamping m/d and dividing by 1 would round differently). Returns out.
+
+    ``copy=False``: out already equals d outside ``where`` (a kept buffer,
+    :meth:`~commopt.optim.flat_state.FlatState.guard_denominator_base`); only ``where`` is
+    written, which saves a pass over the bucket."""
+    if copy:
+        out.copy_(d)
     if math.isinf(bound):
         return out
     if not bound > 0.0:
         raise ValueError(f"Invalid bound: {bound} (must be > 0)")
-    floor = m[where].abs().div_(bound)
-    out[where] = torch.maximum(d[where], floor)
+    if isinstance(where, slice):
+        out[where] = torch.maximum(d[where], m[where].abs().div_(bound))
+    else:  # a gather and a scatter, fused on CPU (commopt.kernels)
+        get_kernels(out.device).guard_denominator_(out, m, d, bound, where)
     return out
 
 
@@ -162,8 +178,4 @@ def guarded_elements(
         return None
     if mode is True:
         return slice(None)
-    tiny = state.tiny_variance(TINY_VARIANCE)
-    if tiny is None:
-        return None
-    where = tiny[(tiny >= seg.start) & (tiny < seg.stop)]
-    return where - seg.start if where.numel() else None
+    return state.tiny_variance_in(TINY_VARIANCE, seg.start, seg.stop)

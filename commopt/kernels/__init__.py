@@ -11,6 +11,8 @@ A kernel set implements four functions (SPEC §1; N padded length, M = N/n the s
   a = (Σ_i s_i·sgn_i)/n summed in rank order; c_s = a + f; t = ‖c_s‖₂/√M;
   bits = pack(c_s ≥ 0); f ← c_s − t·sgn(c_s).
 - ``unpack_scaled_(bits[n, M/8], scales[n], out)``: out = concat_j t_j·sgn(bits_j)[:L].
+- ``guard_denominator_(out, m, d, bound, where)``: the optimizers' step guard
+  (:mod:`commopt.step_guard`) on the indices ``where``: out[where] = max(d, |m|/bound)[where].
 
 Optionally, ``server_stages(f) -> ServerStages``: ``server_reduce_`` cut into stages over
 ranges of the chunk (average each range as its bits arrive, then t over the whole chunk, then
@@ -101,6 +103,15 @@ class Kernels(Protocol):
 
     def unpack_scaled_(
         self, bits: torch.Tensor, scales: torch.Tensor, out: torch.Tensor
+    ) -> None: ...
+
+    def guard_denominator_(
+        self,
+        out: torch.Tensor,
+        m: torch.Tensor,
+        d: torch.Tensor,
+        bound: float,
+        where: torch.Tensor,
     ) -> None: ...
 
 

@@ -350,6 +350,18 @@ class CupyKernels:
         :class:`commopt.kernels.ServerStages`); ranges start at multiples of 1024 elements."""
         return _CupyServerStages(self, server_error)
 
+    def guard_denominator_(
+        self,
+        out: torch.Tensor,
+        m: torch.Tensor,
+        d: torch.Tensor,
+        bound: float,
+        where: torch.Tensor,
+    ) -> None:
+        """The step guard on the elements ``where``: torch's indexing, already one gather and
+        one scatter on the GPU (see :meth:`TorchKernels.guard_denominator_`)."""
+        self._reference.guard_denominator_(out, m, d, bound, where)
+
     def unpack_scaled_(self, bits: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> None:
         r"""Step 9: out = concat_j t_j·sgn(bits_j), first out.numel() elements."""
         if not (self._plain(bits, scales, out) and scales.dtype == out.dtype == torch.float32):

@@ -112,7 +112,8 @@ class NumbaKernels:
         return _rms(sum_squares, c.numel())
 
     def warm_up(self) -> None:
-        r"""Compile (or load from numba's disk cache) every loop :func:`compressed_allreduce` uses.
+        r"""Compile (or load from numba's disk cache) every loop :func:`compressed_allreduce` and
+        the optimizers' step guard use.
 
         The first call of each kernel otherwise compiles it: about 5 s of CPU per process with an
         empty cache (so ≈ 10 s for 4 ranks started together on 2 cores), about 0.6 s once the
@@ -126,6 +127,7 @@ class NumbaKernels:
         self.compensate(x, e, torch.empty(16))
         t = self.server_reduce_(bits.view(2, 1), torch.ones(2), f, server_bits)
         self.unpack_scaled_(bits.view(2, 1), t.repeat(2), torch.empty(13))
+        self.guard_denominator_(torch.empty(13), x, x, 1.0, torch.arange(2))  # the step guard
 
     def scale(self, x: torch.Tensor, worker_error: torch.Tensor) -> torch.Tensor:
         r"""Steps 1–2 without storing c: s = ‖pad(x) + e‖₂/√N (1-element fp32 tensor)."""
@@ -178,6 +180,29 @@ class NumbaKernels:
         """:meth:`server_reduce_` in pieces, for the pipelined allreduce (see
         :class:`commopt.kernels.ServerStages`); stage boundaries must be multiples of 4096."""
         return _NumbaServerStages(server_error, self._reference)
+
+    def guard_denominator_(
+        self,
+        out: torch.Tensor,
+        m: torch.Tensor,
+        d: torch.Tensor,
+        bound: float,
+        where: torch.Tensor,
+    ) -> None:
+        r"""out[where] = max(d, |m|/bound)[where], one gather and one scatter per index (the
+        reference's when m or d holds a NaN there; ``out`` must not overlap ``m``)."""
+        if not (
+            _plain(out, m, d, where)
+            and out.dtype == m.dtype == d.dtype == torch.float32
+            and where.dtype == torch.int64
+            and where.dim() == 1
+        ):
+            return self._reference.guard_denominator_(out, m, d, bound, where)
+        if not loops.guard_denominator(
+            _np(out).reshape(-1), _np(m).reshape(-1), _np(d).reshape(-1), bound, _np(where)
+        ):
+            self._reference.guard_denominator_(out, m, d, bound, where)
+        return None
 
     def unpack_scaled_(self, bits: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> None:
         r"""Step 9: out = concat_j t_j·sgn(bits_j), first out.numel() elements."""

@@ -37,6 +37,7 @@ import numpy as np
 __all__ = [
     "BLOCK",
     "compensate",
+    "guard_denominator",
     "ordered_sum",
     "pack_compensated",
     "pack_update",
@@ -268,3 +269,25 @@ def unpack(bits, scales, out):  # pragma: no cover - compiled
             fl = flags[: ob.size]
             for j in range(ob.size):
                 ob[j] = plus if fl[j] != 0 else minus
+
+
+@_jit
+def guard_denominator(out, m, d, bound, where):  # pragma: no cover - compiled
+    """out[i] = max(d[i], |m[i]|/bound) for i in ``where`` (indices into the three arrays);
+    nothing else is written. Returns False, having stopped, at the first NaN in m or d.
+
+    The reference's fp32 operations (``|m|`` then one division by fp32(bound)) and its maximum
+    for non-NaN operands. Where torch's maximum meets a NaN, the NaN it returns depends on its
+    vector width (all-ones bits in vector lanes, the operand in the scalar tail), so that case
+    is left to the reference: the caller recomputes every index there (the values written before
+    the stop are max(d, |m|/bound) already, so recomputing them changes nothing).
+    """
+    b = np.float32(bound)
+    for k in range(where.size):
+        i = where[k]
+        x = d[i]
+        f = abs(m[i]) / b
+        if np.isnan(x) or np.isnan(f):
+            return False
+        out[i] = x if x >= f else f
+    return True

@@ -115,6 +115,20 @@ class TorchKernels:
         """:meth:`server_reduce_` in pieces (see :class:`commopt.kernels.ServerStages`)."""
         return _TorchServerStages(server_error)
 
+    def guard_denominator_(
+        self,
+        out: torch.Tensor,
+        m: torch.Tensor,
+        d: torch.Tensor,
+        bound: float,
+        where: torch.Tensor,
+    ) -> None:
+        """The step guard's denominator (:func:`commopt.step_guard.guarded_denominator`) on the
+        elements ``where`` (1-D int64 indices): out[where] = max(d, |m|/bound) there; nothing
+        else is written."""
+        floor = m[where].abs().div_(bound)
+        out[where] = torch.maximum(d[where], floor)
+
     def unpack_scaled_(self, bits: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> None:
         """Step 9: out = concat_j t_j·sgn(bits_j), first out.numel() elements."""
         n, chunk_bytes = bits.shape

@@ -71,6 +71,8 @@ class FlatState:
         self._zero_variance: torch.Tensor | None = None
         self._tiny_variance_key: tuple | None = None
         self._tiny_variance: torch.Tensor | None = None
+        self._tiny_by_range: dict[tuple[int, int], torch.Tensor | None] = {}
+        self._guard_base_key: tuple | None = None
 
     # -- buffers ------------------------------------------------------------------------------
     def _new_flat(self, key: str) -> torch.Tensor:
@@ -176,7 +178,38 @@ class FlatState:
                     parts.append(where + offset)
             self._tiny_variance = torch.cat(parts) if parts else None
             self._tiny_variance_key = key
+            self._tiny_by_range = {}
         return self._tiny_variance
+
+    def tiny_variance_in(self, ratio: float, start: int, stop: int) -> torch.Tensor | None:
+        """The indices of :meth:`tiny_variance` in [start, stop), relative to ``start``
+        (``None`` if there are none); kept with them, so a step does not filter the whole
+        index list again for every segment (read-only: callers must not write into it)."""
+        tiny = self.tiny_variance(ratio)
+        if tiny is None:
+            return None
+        cached = self._tiny_by_range.get((start, stop), ...)
+        if cached is ...:
+            where = tiny[(tiny >= start) & (tiny < stop)]
+            cached = self._tiny_by_range[(start, stop)] = where - start if where.numel() else None
+        return cached
+
+    def guard_denominator_base(self, d: torch.Tensor) -> torch.Tensor:
+        """A bucket-sized buffer that equals the denominator ``d`` (the one :meth:`denominator`
+        returned last) except where the step guard writes: the guard then only rewrites its
+        elements (:func:`commopt.step_guard.guarded_denominator` with ``copy=False``).
+
+        On CPU it is kept and refilled from d only when d was rebuilt (v, b or ε changed), so
+        the compression stage does not copy the whole bucket every step; the guard's elements
+        are a function of v, so every step rewrites the same ones. On other devices it is a
+        fresh copy per call (see :meth:`scratch`).
+        """
+        buf = self.scratch("guarded denominator")
+        key = self._denominator_key
+        if self.bucket.device.type != "cpu" or key is None or self._guard_base_key != key:
+            buf.copy_(d)
+            self._guard_base_key = key
+        return buf
 
     # -- this rank's exchange state -----------------------------------------------------------
     def reset_comm(self) -> None:

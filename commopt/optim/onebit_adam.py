@@ -202,16 +202,21 @@ class OnebitAdam(CompressedOptimizer):
             eps.append(group["eps"])
         d = state.denominator(bias_sqrt, eps)
         m = state.flat["exp_avg"]
+        d_guard = None  # d, with the guarded elements rewritten below (the whole bucket)
         for (seg, group), step_size in zip(self.segments(state), step_sizes, strict=True):
             where = (
                 guarded_elements(self.config.step_guard, state, seg) if t > freeze_step else None
             )
             d_seg = d
             if where is not None:  # |m/d| ≤ B·lr/step_size, so that |m̂/d| ≤ B
-                d_seg = state.scratch("guard")  # the whole bucket: seg.views slices it
+                if d_guard is None:
+                    d_guard = state.guard_denominator_base(d)
+                d_seg = d_guard
                 bound = step_bound(self.config.step_guard, group["betas"], group["bias_correction"])
                 sl = seg.slice
-                guarded_denominator(d_seg[sl], m[sl], d[sl], bound * group["lr"] / step_size, where)
+                guarded_denominator(
+                    d_seg[sl], m[sl], d[sl], bound * group["lr"] / step_size, where, copy=False
+                )
             adam_update_(
                 seg.params,
                 seg.views(m),

@@ -155,6 +155,50 @@ def test_fast_kernels_match_reference(size, n, seed, spread):
 
 
 # -- targeted cases -----------------------------------------------------------------------------
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    size=st.integers(1, 5000),
+    seed=st.integers(0, 2**31 - 1),
+    spread=st.integers(0, 15),
+    bound=st.sampled_from([1e-30, 0.37, 1.0, 7.2703, 1e30, 3.0e38]),
+)
+def test_guard_denominator_matches_reference(size, seed, spread, bound):
+    """The step guard's gather-max-scatter (commopt.step_guard): the same bits as the torch
+    reference on the indexed elements, NaN and inf included, and nothing written elsewhere."""
+    rng = np.random.default_rng(seed)
+    m, d = values(rng, size, spread), np.abs(values(rng, size, spread))
+    m[rng.integers(0, size, max(1, size // 50))] = rng.choice([np.nan, np.inf, -np.inf])
+    d[rng.integers(0, size, max(1, size // 50))] = rng.choice([np.nan, np.inf, F32(0.0)])
+    where = torch.from_numpy(np.sort(rng.choice(size, rng.integers(0, size + 1), replace=False)))
+    start = t32(values(rng, size, spread))  # what out holds before: kept outside ``where``
+    fast, ref = start.clone(), start.clone()
+    FAST.guard_denominator_(fast, t32(m), t32(d), bound, where)
+    REF.guard_denominator_(ref, t32(m), t32(d), bound, where)
+    np.testing.assert_array_equal(bits_of(fast), bits_of(ref))
+    outside = np.ones(size, dtype=bool)
+    outside[where.numpy()] = False
+    np.testing.assert_array_equal(bits_of(fast)[outside], bits_of(start)[outside])
+    with np.errstate(over="ignore", invalid="ignore"):
+        d_w, f_w = d[where.numpy()], np.abs(m[where.numpy()]) / F32(bound)
+    want = np.where(np.isnan(d_w) | np.isnan(f_w), np.nan, np.maximum(d_w, f_w)).astype(F32)
+    np.testing.assert_array_equal(fast.numpy()[where.numpy()], want)  # NaN == NaN here
+
+
+def test_guard_denominator_without_nan_runs_compiled(monkeypatch):
+    """The compiled loop answers unless a NaN is met (then the reference redoes every index)."""
+    calls = []
+    monkeypatch.setattr(REF, "guard_denominator_", lambda *a: calls.append(a))
+    fast = NumbaKernels()
+    monkeypatch.setattr(fast, "_reference", REF)
+    m, d = torch.tensor([3.0, -8.0, 1.0, 0.5]), torch.tensor([1.0, 1.0, 9.0, 1.0])
+    out = torch.zeros(4)
+    fast.guard_denominator_(out, m, d, 2.0, torch.tensor([0, 1, 2]))
+    assert out.tolist() == [1.5, 4.0, 9.0, 0.0] and not calls
+    m[1] = float("nan")
+    fast.guard_denominator_(out, m, d, 2.0, torch.tensor([0, 1, 2]))
+    assert len(calls) == 1
+
+
 @pytest.mark.parametrize("n", [1, 2, 3, 5, 6, 7, 12])
 def test_server_division_by_any_world_size_is_exact(n):
     """a/n is a true fp32 division (not a multiply by 1/n), also for n not a power of 2."""
@@ -297,5 +341,6 @@ def test_warm_up_runs_every_kernel():
         loops.pack_update,
         loops.server_average,
         loops.unpack,
+        loops.guard_denominator,
     ):
         assert fn.signatures, f"{fn.__name__} was not compiled by warm_up"

@@ -138,3 +138,33 @@ def test_tiny_threshold_is_per_tensor_and_cached_per_value_of_v():
     assert first is not None and first.tolist() == [4]  # offsets: a is 0–5, b is 6–8
     assert state.tiny_variance(TINY_VARIANCE) is first  # v frozen: not recomputed
     assert math.isclose(TINY_VARIANCE, 0.01)
+
+
+def test_per_segment_indices_and_guarded_denominator_are_kept_while_v_is():
+    """The per-segment indices and the guarded copy of d are kept from step to step while v is
+    frozen, and rebuilt as soon as v (so d and the indices) changes."""
+    _, opt = _run("tiny")
+    state = opt.flat_states[0]  # a: elements 0–5, b: 6–8
+    whole = state.tiny_variance_in(TINY_VARIANCE, 0, 9)
+    assert whole.tolist() == [4]
+    assert state.tiny_variance_in(TINY_VARIANCE, 2, 9).tolist() == [2]  # relative to start
+    assert state.tiny_variance_in(TINY_VARIANCE, 6, 9) is None
+    assert state.tiny_variance_in(TINY_VARIANCE, 0, 9) is whole  # kept
+    d = state.denominator([1.0], [1e-8])
+    base = state.guard_denominator_base(d)
+    assert torch.equal(base, d) and base is not d
+    base[4] = 123.0  # what the guard writes at its elements
+    assert state.guard_denominator_base(d)[4] == 123.0  # kept: no copy of the whole bucket
+    v = state.flat["exp_avg_sq"]
+    v[4] = v[:6].mean()  # element 4 no longer tiny; v._version moves
+    d = state.denominator([1.0], [1e-8])
+    assert torch.equal(state.guard_denominator_base(d), d)  # refilled from the new d
+    assert state.tiny_variance_in(TINY_VARIANCE, 0, 9) is None
+
+
+def test_step_bound_is_computed_once_per_betas():
+    adam_step_bound.cache_clear()
+    first = adam_step_bound(0.9, 0.999, True)
+    assert adam_step_bound(0.9, 0.999, True) == first
+    assert adam_step_bound.cache_info().hits == 1
+    assert adam_step_bound.__wrapped__(0.9, 0.999, True) == first
