@@ -14,7 +14,11 @@ Every step records the rank-averaged training loss and a *shadow* v: the EMA (β
 squared averaged gradient that Adam would hold, kept by this script whatever the optimizer
 does (one extra all-reduce, outside every byte counter). From it: ℓ_t = Σ_k mean(√v̂_k), each
 tensor's mean √v̂_k, and after a freeze ℓ_frozen/ℓ_t (how much larger the frozen v is than
-today's). Writes ``trace_<task>_seed<S>.json``.
+today's); for ``adam`` also each tensor's mean m̂² / mean v̂ (the signal's share of the
+gradient: it falls to the noise floor, ≈ 0.02–0.05, by step ~50 on digits, so it does not tell
+digits' still-falling v from a settled one). ``1bit auto`` (or any ``1bit`` without ``F=``)
+uses ``freeze_step="auto"``. Writes ``trace_<task>_seed<S>.json``; the replay of the freeze
+rule on these traces is in docs/algorithms/auto_freeze.md.
 """
 
 from __future__ import annotations
