@@ -7,27 +7,38 @@ save. :class:`AutoFreeze` decides from a scalar summary of v that every rank com
 same numbers (during warmup v only ever sees averaged gradients, so it is bit-identical on every
 rank). The decision therefore needs no message, and every rank takes it at the same step.
 
-The rule (docs/algorithms/auto_freeze.md says why these constants):
+The rule (docs/algorithms/auto_freeze.md says why these constants and what was measured):
 
-    ℓ_t = Σ_k mean(√v̂_k)        (one term per parameter tensor k: each layer counts once)
-    r_t = |ℓ_t − ℓ_{t−W}| / ℓ_t  (relative change over the last W observations)
-    freeze at the first step t ≥ min_step with r_t ≤ threshold, and at the latest at max_step.
+    x_t = (1/K) Σ_k ln mean(√v̂_k)    (K parameter tensors: the log of each tensor's level,
+                                        averaged, so that every layer counts alike)
+    R_t = max x_s − min x_s  over the observations s ∈ [t − ⌊f·t⌋, t]  (the last half, f = 1/2)
+    freeze at the first step t ≥ min_step with R_t ≤ threshold, and at the latest at max_step.
 
-v̂ is the bias-corrected variance. An algorithm that uses v without bias correction (1-bit LAMB,
-0/1 Adam) must also wait until v has grown to its level; :func:`settled_step` gives the step
-from which √(1 − β2^t) ≥ 1 − threshold, and such an algorithm raises ``min_step`` to it.
+The window grows with the elapsed steps, so the test is the same at step 100 and 10⁵ (a level
+that moved by at most τ over the last t/2 steps would, at that rate, move by at most 2τ over
+the next t), and a level that rose and fell inside the window (a maximum) counts with its whole
+excursion, not with the difference of its ends.
+
+v̂ is the bias-corrected variance. An algorithm that uses v without bias correction (0/1 Adam)
+must also wait until v has grown to its level; :func:`settled_step` gives the step from which
+√(1 − β2^t) ≥ 1 − threshold, and such an algorithm vetoes earlier decisions.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections import deque
 from typing import Any
 
-__all__ = ["AutoFreeze", "FreezePoint", "settled_step", "variance_level"]
+__all__ = ["AutoFreeze", "FreezePoint", "VarianceLevel", "settled_step", "variance_level"]
 
 logger = logging.getLogger(__name__)
+
+#: ``AutoFreeze.state_dict()["rule"]``: the layout of the rule's saved state. States without it
+#: were written by the first rule (Σ_k mean √v̂_k over a fixed window of 20 observations).
+RULE = "log-range/half"
 
 
 def settled_step(beta2: float, threshold: float) -> int:
@@ -43,73 +54,114 @@ def settled_step(beta2: float, threshold: float) -> int:
     return max(1, math.ceil(math.log(1.0 - (1.0 - threshold) ** 2) / math.log(beta2) - 1e-9))
 
 
-def variance_level(variances: list[Any], bias_correction: float = 1.0) -> float:
-    """ℓ = Σ_k mean(√(v_k / bias_correction)) over the given tensors, in float64.
+@dataclasses.dataclass(frozen=True)
+class VarianceLevel:
+    """Σ_k ln mean(√v̂_k) over ``tensors`` parameter tensors; levels of several buckets add up.
 
-    Every rank holds the same v and sums in the same order, so every rank gets the same ℓ.
-    Empty tensors are skipped.
+    An optimizer sums :func:`variance_level` over its buckets (``level += variance_level(…)``,
+    starting from ``0.0``) and hands the total to :meth:`AutoFreeze.observe`, which uses the
+    mean :attr:`log_mean`. Tensors whose v is still all zero are not counted.
     """
-    total = 0.0
+
+    log_sum: float = 0.0
+    tensors: int = 0
+
+    @property
+    def log_mean(self) -> float:
+        """x = (1/K) Σ_k ln mean(√v̂_k) (``-inf`` when no tensor has a variance yet)."""
+        return self.log_sum / self.tensors if self.tensors else -math.inf
+
+    def __add__(self, other: object) -> VarianceLevel:
+        if isinstance(other, VarianceLevel):
+            return VarianceLevel(self.log_sum + other.log_sum, self.tensors + other.tensors)
+        if isinstance(other, (int, float)) and other == 0:  # sum()'s and ``level = 0.0``'s start
+            return self
+        return NotImplemented
+
+    __radd__ = __add__
+
+
+def variance_level(variances: list[Any], bias_correction: float = 1.0) -> VarianceLevel:
+    """Σ_k ln mean(√(v_k / bias_correction)) over the given tensors, in float64, and their count.
+
+    Every rank holds the same v and sums in the same order, so every rank gets the same level.
+    Empty tensors and tensors whose v is all zero are skipped.
+    """
+    total, count = 0.0, 0
     for v in variances:
         if v.numel():
-            total += float(v.double().div(bias_correction).sqrt_().mean())
-    return total
+            level = float(v.double().div(bias_correction).sqrt_().mean())
+            if level > 0:
+                total += math.log(level)
+                count += 1
+    return VarianceLevel(total, count)
 
 
 class AutoFreeze:
-    r"""Decides the freeze step from the variance level ℓ_t observed after each warmup step.
+    r"""Decides the freeze step from the variance level observed after each warmup step.
 
     Args:
-        min_step: never freeze before this step. Too low and v̂ is an average of a handful of
-            noisy gradients; the default 40 (two windows) is the earliest the rule can compare
-            two windows.
-        max_step: freeze at this step at the latest, whatever r_t says (default 100000, the
-            fixed ``freeze_step`` default of SPEC §2).
-        window: W, how many observations back ℓ is compared with. Shorter windows react to
-            noise; longer ones delay the decision by about W steps.
-        threshold: τ, the largest relative change of ℓ over W observations that counts as
-            settled.
+        min_step: never freeze before this step (default 40: the window then holds at least
+            20 observations; over fewer, a range says little).
+        max_step: freeze at this step at the latest, whatever the level does (default 100000,
+            the fixed ``freeze_step`` default of SPEC §2).
+        fraction: f, the window is the observations of the last ⌊f·t⌋ steps (default 1/2).
+        threshold: τ, the largest range R_t = max − min of the log-level x over the window
+            that counts as settled (default 0.05).
 
-    Use: call :meth:`observe` once per step that updated v (in order); it returns True from the
-    step at which it froze on. :attr:`frozen_at` is that step (``None`` before). The state
-    (window of levels, decision) is saved by :meth:`state_dict` and restored by
-    :meth:`load_state_dict`, so a resumed run decides exactly as an uninterrupted one.
+    Use: call :meth:`observe` once per step that updated v (in order) with that step's
+    :class:`VarianceLevel` (a float ℓ > 0 is taken as one tensor of level ℓ); it returns True
+    from the step at which it froze on. :attr:`frozen_at` is that step (``None`` before),
+    :attr:`last_change` the last R_t. The state (the window's running maximum and minimum,
+    the decision) is saved by :meth:`state_dict` and restored by :meth:`load_state_dict`, so a
+    resumed run decides exactly as an uninterrupted one.
     """
 
     def __init__(
         self,
         min_step: int = 40,
         max_step: int = 100_000,
-        window: int = 20,
+        fraction: float = 0.5,
         threshold: float = 0.05,
     ) -> None:
-        for name, value in (("min_step", min_step), ("max_step", max_step), ("window", window)):
+        for name, value in (("min_step", min_step), ("max_step", max_step)):
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"Invalid {name}: {value!r} (must be an int)")
         if min_step < 1:
             raise ValueError(f"Invalid min_step: {min_step} (must be >= 1)")
         if max_step < min_step:
             raise ValueError(f"Invalid max_step: {max_step} (must be >= min_step = {min_step})")
-        if window < 1:
-            raise ValueError(f"Invalid window: {window} (must be >= 1)")
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)):
+            raise TypeError(f"Invalid fraction: {fraction!r} (must be a float)")
+        if not 0.0 < fraction < 1.0:
+            raise ValueError(f"Invalid fraction: {fraction} (must be in (0, 1))")
         if not 0.0 < threshold < 1.0:
             raise ValueError(f"Invalid threshold: {threshold} (must be in (0, 1))")
         self.min_step = min_step
         self.max_step = max_step
-        self.window = window
+        self.fraction = float(fraction)
         self.threshold = float(threshold)
         self.frozen_at: int | None = None
-        self.last_change: float | None = None  # r of the last observation (diagnostic)
-        self._levels: deque[float] = deque(maxlen=window + 1)
+        self.last_change: float | None = None  # R of the last observation (diagnostic)
+        self._first_step: int | None = None  # the first observation with a level
         self._last_step = 0
+        # monotone queues of (step, x): _highs decreasing, _lows increasing; their heads are the
+        # window's maximum and minimum (each observation enters and leaves each queue once)
+        self._highs: deque[tuple[int, float]] = deque()
+        self._lows: deque[tuple[int, float]] = deque()
 
     def raise_min_step(self, step: int) -> None:
         """min_step ← max(min_step, step), capped at max_step (for algorithms whose v must also
         grow to its level first, see :func:`settled_step`)."""
         self.min_step = min(self.max_step, max(self.min_step, step))
 
-    def observe(self, step: int, level: float, ready: bool = True) -> bool:
-        """Record ℓ after step ``step``; True when the variance is (now or already) frozen.
+    def window_start(self, step: int) -> int:
+        """The first step of the window at step t: t − ⌊f·t⌋."""
+        return step - math.floor(self.fraction * step)
+
+    def observe(self, step: int, level: VarianceLevel | float, ready: bool = True) -> bool:
+        """Record the level after step ``step``; True when the variance is (now or already)
+        frozen.
 
         ``ready=False`` is the caller's veto (e.g. uncorrected v has not yet grown to its
         level, see :func:`settled_step`): the level is recorded, but only ``max_step`` freezes.
@@ -121,20 +173,39 @@ class AutoFreeze:
                 f"AutoFreeze.observe: step {step} is not after the last observed step "
                 f"{self._last_step}; observe each step once, in order"
             )
+        if not isinstance(level, VarianceLevel):
+            if isinstance(level, bool) or not isinstance(level, (int, float)):
+                raise TypeError(f"AutoFreeze.observe: level must be a VarianceLevel, got {level!r}")
+            if not math.isfinite(level) or level < 0:
+                raise ValueError(f"AutoFreeze.observe: level must be finite and >= 0, got {level}")
+            level = VarianceLevel(math.log(level), 1) if level > 0 else VarianceLevel()
+        x = level.log_mean
+        if math.isnan(x) or x == math.inf:
+            raise ValueError(f"AutoFreeze.observe: level must be finite, got {level}")
         self._last_step = step
-        if not math.isfinite(level) or level < 0:
-            raise ValueError(f"AutoFreeze.observe: level must be finite and >= 0, got {level}")
-        self._levels.append(float(level))
-        change = math.inf
-        if len(self._levels) > self.window and level > 0:
-            change = abs(level - self._levels[0]) / level
+        if level.tensors:
+            if self._first_step is None:
+                self._first_step = step
+            while self._highs and self._highs[-1][1] <= x:
+                self._highs.pop()
+            self._highs.append((step, x))
+            while self._lows and self._lows[-1][1] >= x:
+                self._lows.pop()
+            self._lows.append((step, x))
+        start = self.window_start(step)
+        for queue in (self._highs, self._lows):
+            while queue and queue[0][0] < start:
+                queue.popleft()
+        change = math.inf  # until levels cover the whole window
+        if self._first_step is not None and self._first_step <= start and self._highs:
+            change = self._highs[0][1] - self._lows[0][1]
         self.last_change = change
         if step >= self.max_step:
-            reason = f"max_step {self.max_step} reached (relative change {change:.3g})"
+            reason = f"max_step {self.max_step} reached (log-level range {change:.3g})"
         elif ready and step >= self.min_step and change <= self.threshold:
             reason = (
-                f"variance level changed by {change:.3g} <= {self.threshold} over the last "
-                f"{self.window} observations"
+                f"the log of the variance level moved within {change:.3g} <= {self.threshold} "
+                f"over steps {start}..{step}"
             )
         else:
             return False
@@ -144,34 +215,63 @@ class AutoFreeze:
 
     def state_dict(self) -> dict[str, Any]:
         return {
+            "rule": RULE,
             "min_step": self.min_step,
             "max_step": self.max_step,
-            "window": self.window,
+            "fraction": self.fraction,
             "threshold": self.threshold,
             "frozen_at": self.frozen_at,
+            "first_step": self._first_step,
             "last_step": self._last_step,
             "last_change": self.last_change,
-            "levels": list(self._levels),
+            "highs": [list(e) for e in self._highs],
+            "lows": [list(e) for e in self._lows],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a :meth:`state_dict`; the settings must match this object's."""
-        mine = (self.min_step, self.max_step, self.window, self.threshold)
-        saved = (state["min_step"], state["max_step"], state["window"], state["threshold"])
+        """Restore a :meth:`state_dict`; the settings must match this object's.
+
+        A state of the first rule (no ``"rule"`` key: a window of levels Σ_k mean √v̂_k) loads
+        when it has decided (the decision is all that is used after it); undecided, it cannot
+        continue under this rule and is refused.
+        """
+        if "rule" not in state:
+            if state.get("frozen_at") is None:
+                raise ValueError(
+                    "AutoFreeze.load_state_dict: this state was saved by the previous automatic "
+                    f"freeze rule before it decided (last observed step {state.get('last_step')}"
+                    "), and the current rule cannot continue its history. Resume with the "
+                    "commopt version that saved it, or fix the freeze step: construct the "
+                    "optimizer with an int freeze_step (var_freeze_step for ZeroOneAdam) and "
+                    "load with allow_config_change=True."
+                )
+            self.frozen_at = state["frozen_at"]
+            self._last_step = state["last_step"]
+            self.last_change = state.get("last_change")
+            return
+        if state["rule"] != RULE:
+            raise ValueError(
+                f"AutoFreeze.load_state_dict: unknown rule {state['rule']!r} (this version "
+                f"has {RULE!r})"
+            )
+        mine = (self.min_step, self.max_step, self.fraction, self.threshold)
+        saved = (state["min_step"], state["max_step"], state["fraction"], state["threshold"])
         if mine != saved:
             raise ValueError(
-                "AutoFreeze.load_state_dict: saved settings (min_step, max_step, window, "
+                "AutoFreeze.load_state_dict: saved settings (min_step, max_step, fraction, "
                 f"threshold) = {saved} differ from this object's {mine}"
             )
         self.frozen_at = state["frozen_at"]
+        self._first_step = state["first_step"]
         self._last_step = state["last_step"]
         self.last_change = state["last_change"]
-        self._levels = deque(state["levels"], maxlen=self.window + 1)
+        self._highs = deque((int(s), float(x)) for s, x in state["highs"])
+        self._lows = deque((int(s), float(x)) for s, x in state["lows"])
 
     def __repr__(self) -> str:
         return (
             f"AutoFreeze(min_step={self.min_step}, max_step={self.max_step}, "
-            f"window={self.window}, threshold={self.threshold}, frozen_at={self.frozen_at})"
+            f"fraction={self.fraction}, threshold={self.threshold}, frozen_at={self.frozen_at})"
         )
 
 
@@ -182,7 +282,8 @@ class FreezePoint:
     The rule's whole state lives in ``schedule`` (the optimizer's ``global_state``, saved and
     restored with it): ``"auto_freeze"`` after every observation, ``"auto_freeze_step"`` once it
     has chosen. So a resumed run decides at the same step. An optimizer whose ``global_state``
-    is replaced (a loaded state dict) builds a new FreezePoint over the new one.
+    is replaced (a loaded state dict) builds a new FreezePoint over the new one; an undecided
+    state that the rule cannot continue (saved by the first rule) is refused there, at load.
 
     Args:
         value: the config's freeze step (an int) or ``"auto"``.
@@ -193,6 +294,8 @@ class FreezePoint:
         self.value = value
         self._schedule = schedule
         self._rule: AutoFreeze | None = None
+        if value == "auto" and schedule.get("auto_freeze_step") is None:
+            _ = self.rule  # restore (and check) a saved undecided state now, not at a later step
 
     def last_full_step(self) -> float:
         """The fixed step, or the step the rule chose (``math.inf`` until it has chosen)."""
@@ -211,10 +314,10 @@ class FreezePoint:
                 self._rule.load_state_dict(saved)
         return self._rule
 
-    def observe(self, step: int, level: float, ready: bool = True) -> bool:
-        """Feed the variance level ℓ of step ``step`` to the rule; True once frozen.
+    def observe(self, step: int, level: VarianceLevel | float, ready: bool = True) -> bool:
+        """Feed the variance level of step ``step`` to the rule; True once frozen.
 
-        ℓ is computed from v, identical on every rank, so every rank decides alike.
+        The level is computed from v, identical on every rank, so every rank decides alike.
         """
         rule = self.rule
         frozen = rule.observe(step, level, ready)

@@ -30,7 +30,7 @@ from commopt.buckets import DEFAULT_BUCKET_NUMEL, Segment
 from commopt.comm import Backend
 from commopt.compressed import NonFiniteError
 from commopt.exchange import Exchange
-from commopt.freeze import AutoFreeze, FreezePoint
+from commopt.freeze import AutoFreeze, FreezePoint, VarianceLevel
 from commopt.optim.agreement import GradientAgreement, left_untouched
 from commopt.optim.communication import Communication
 from commopt.optim.config import ConfigAttributes
@@ -144,8 +144,10 @@ class CompressedOptimizer(BackwardWork, ConfigAttributes, torch.optim.Optimizer)
         :class:`~commopt.freeze.AutoFreeze` chose (``math.inf`` until it has chosen)."""
         return self._freeze.last_full_step()
 
-    def _observe_variance(self, step: int, level: float, ready: bool = True) -> bool:
-        """Feed the variance level ℓ of step ``step`` to the automatic freeze; True once frozen."""
+    def _observe_variance(
+        self, step: int, level: VarianceLevel | float, ready: bool = True
+    ) -> bool:
+        """Feed the variance level of step ``step`` to the automatic freeze; True once frozen."""
         return self._freeze.observe(step, level, ready)
 
     @property

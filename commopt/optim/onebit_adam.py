@@ -6,7 +6,7 @@ import math
 from typing import Any
 
 from commopt.comm import Backend
-from commopt.freeze import variance_level
+from commopt.freeze import VarianceLevel, variance_level
 from commopt.optim.adam_math import adam_update_, momentum_from_grads_, update_moments_
 from commopt.optim.base import CompressedOptimizer
 from commopt.optim.config import OnebitAdamConfig, check_adam_arguments, document_schedule
@@ -91,8 +91,9 @@ class OnebitAdam(CompressedOptimizer):
     than needed (whole-run savings are capped at 1/(w + (1−w)/32) for a warmup fraction w).
     The paper uses 15–25 % of training for BERT; a practical test is to watch
     ‖v_t − v_{t−k}‖/‖v_t‖ during warmup and freeze once it changes by a few percent per
-    thousand steps; ``freeze_step="auto"`` applies such a test (5 % over 20 steps, on the
-    per-layer mean of √v̂) without any message between ranks.
+    thousand steps; ``freeze_step="auto"`` applies such a test (the log of each layer's mean
+    √v̂, averaged over layers, moved by at most 5 % over the last half of the steps so far)
+    without any message between ranks.
 
     {schedule_and_resume}
 
@@ -178,9 +179,9 @@ class OnebitAdam(CompressedOptimizer):
         t = step - self.first_step(state)
         return "average" if t <= self.frozen_after() else "momentum"
 
-    def _variance_level(self, states: list[FlatState], t: int) -> float:
-        """ℓ = Σ_k mean(√v̂_k) over the tensors of these buckets (v̂ bias-corrected as used)."""
-        level = 0.0
+    def _variance_level(self, states: list[FlatState], t: int) -> VarianceLevel:
+        """Σ_k ln mean(√v̂_k) over the tensors of these buckets (v̂ bias-corrected as used)."""
+        level = VarianceLevel()
         for state in states:
             v = state.flat["exp_avg_sq"]
             for seg, group in self.segments(state):

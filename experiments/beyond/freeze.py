@@ -35,7 +35,9 @@ def makers(lr: float, beta2: float, sweep: list[int]) -> dict:
     return out
 
 
-def seed_summary(finals: dict[str, list[float]], seeds: list[int]) -> str:
+def seed_summary(
+    finals: dict[str, list[float]], seeds: list[int], auto: list[tuple[int | None, float]]
+) -> str:
     """Every seed's final loss, mean ± sample std, and two paired gaps (per seed, then mean ± std
     over the seeds): to that seed's best fixed step, and to the fixed step that is best on
     average (the same arm on every seed: the comparison the goal asks for)."""
@@ -59,6 +61,11 @@ def seed_summary(finals: dict[str, list[float]], seeds: list[int]) -> str:
             f"| {statistics.fmean(paired):+.1f} % ± {statistics.stdev(paired):.1f} % "
             f"| {sum(g > 0 for g in paired)}/{len(seeds)} |"
         )
+    steps = ", ".join(
+        f"seed {s}: {'did not freeze' if f is None else f'step {f}'} ({mb:.1f} MB)"
+        for s, (f, mb) in zip(seeds, auto, strict=True)
+    )
+    lines += ["", f"Auto: {steps}."]
     return "\n".join(lines) + "\n"
 
 
@@ -80,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         steps = args.steps or d["steps"]
         chosen = makers(d["lr"], args.beta2, sweep)
         finals: dict[str, list[float]] = {k: [] for k in chosen}
+        auto_runs: list[tuple[int | None, float]] = []  # (freeze step, MB sent) per seed
         for seed in seeds:
             result = run_variants(
                 task, chosen, steps, d["eval_every"], args.ranks, overrides={"seed": seed}
@@ -89,10 +97,15 @@ def main(argv: list[str] | None = None) -> int:
             runs = result["runs"]
             fixed = [r["rows"][-1]["val_loss"] for k, r in runs.items() if "auto" not in k]
             auto = result["runs"]["OnebitAdam auto"]
+            auto_runs.append((auto["freeze_step"], auto["rows"][-1]["bytes"] / 1e6))
+            froze = (
+                f"Auto froze at step {auto['freeze_step']}"
+                if auto["freeze_step"] is not None
+                else f"Auto did not freeze within the {steps} steps"
+            )
             note = (
                 f"{steps} steps, lr {d['lr']}, betas (0.9, {args.beta2}), {args.ranks} ranks, "
-                f"seed {seed}. "
-                f"Auto froze at step {auto['freeze_step']}"
+                f"seed {seed}. {froze}"
             )
             if fixed:
                 gap = 100 * (auto["rows"][-1]["val_loss"] / min(fixed) - 1)
@@ -105,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             plot_curves(result, args.out / f"freeze_{task}{tag}.png", f"1-bit Adam freeze: {task}")
         if len(seeds) > 1:
-            text = seed_summary(finals, seeds)
+            text = seed_summary(finals, seeds, auto_runs)
             (args.out / f"freeze_{task}_seeds.md").write_text(text)
             print(text)
     return 0

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import commopt
-from commopt.freeze import AutoFreeze, settled_step
+from commopt.freeze import AutoFreeze, VarianceLevel, settled_step
 from commopt.step_guard import adam_step_bound
 
 SINGLE = commopt.SingleProcessBackend()
@@ -22,15 +22,23 @@ def _model(seed: int = 0) -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
 
 
-def _data():
+def _data(noise: float = 0.0):
+    """A smooth target, plus label noise of std ``noise``: with noise the gradients stay
+    noise-dominated, so v settles and the automatic freeze decides (without, v keeps falling
+    as the model fits, and the rule waits)."""
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(512, 6, generator=gen)
     y = torch.stack([torch.sin(x[:, 0] * 2), x[:, 1] * x[:, 2]], dim=1)
+    if noise:
+        y = y + noise * torch.randn(y.shape, generator=gen)
     return x, y
 
 
-def _train(model, opt, steps: range) -> None:
-    x, y = _data()
+NOISY = 2.0  # the label noise of the automatic-freeze tests
+
+
+def _train(model, opt, steps: range, noise: float = 0.0) -> None:
+    x, y = _data(noise)
     for step in steps:
         idx = torch.arange(32) + (32 * step) % 480
         opt.zero_grad()
@@ -65,7 +73,7 @@ def test_auto_freeze_decides_once_logs_once_and_resumes_exactly(kind, caplog):
     model = _model()
     opt = AUTO[kind](model.parameters())
     with caplog.at_level(logging.INFO, logger="commopt.freeze"):
-        _train(model, opt, range(steps))
+        _train(model, opt, range(steps), NOISY)
     decided = opt.global_state["auto_freeze_step"]
     assert decided is not None and 40 <= decided < steps, decided
     assert opt.frozen_after() == decided
@@ -79,11 +87,11 @@ def test_auto_freeze_decides_once_logs_once_and_resumes_exactly(kind, caplog):
     for cut in (decided - 5, decided, decided + 7):  # before, at and after the decision
         model = _model()
         first = AUTO[kind](model.parameters())
-        _train(model, first, range(cut))
+        _train(model, first, range(cut), NOISY)
         saved = copy.deepcopy(first.state_dict())
         resumed = AUTO[kind](model.parameters())
         resumed.load_state_dict(saved)
-        _train(model, resumed, range(cut, steps))
+        _train(model, resumed, range(cut, steps), NOISY)
         assert resumed.global_state["auto_freeze_step"] == decided, cut
         for a, b in zip(_state(resumed, model), final, strict=True):
             assert torch.equal(a, b), (kind, cut)
@@ -92,35 +100,39 @@ def test_auto_freeze_decides_once_logs_once_and_resumes_exactly(kind, caplog):
 def test_auto_equals_a_fixed_freeze_at_the_step_it_chose():
     model = _model()
     opt = commopt.OnebitAdam(model.parameters(), lr=0.01, freeze_step="auto", backend=SINGLE)
-    _train(model, opt, range(150))
+    _train(model, opt, range(150), NOISY)
     decided = opt.global_state["auto_freeze_step"]
     auto_state = _state(opt, model)
     model = _model()
     fixed = commopt.OnebitAdam(model.parameters(), lr=0.01, freeze_step=decided, backend=SINGLE)
-    _train(model, fixed, range(150))
+    _train(model, fixed, range(150), NOISY)
     for a, b in zip(_state(fixed, model), auto_state, strict=True):
         assert torch.equal(a, b)
 
 
 def test_auto_freeze_level_is_what_autofreeze_sees():
-    """The optimizer feeds AutoFreeze ℓ_t = Σ_k mean(√v̂_k); replaying the recorded levels
-    through a fresh AutoFreeze gives the same decision."""
+    """The optimizer feeds AutoFreeze x_t = (1/K) Σ_k ln mean(√v̂_k), written out here from
+    its state; replaying these through a fresh AutoFreeze gives the same decision."""
     model = _model()
     opt = commopt.OnebitAdam(model.parameters(), lr=0.01, freeze_step="auto", backend=SINGLE)
     levels = []
-    for step in range(120):
-        _train(model, opt, range(step, step + 1))
+    for step in range(200):
+        _train(model, opt, range(step, step + 1), NOISY)
         t = step + 1
-        lv = sum(
-            float((opt.state[p]["exp_avg_sq"].double() / (1 - 0.999**t)).sqrt().mean())
+        logs = [
+            math.log(float((opt.state[p]["exp_avg_sq"].double() / (1 - 0.999**t)).sqrt().mean()))
             for p in model.parameters()
-        )
-        levels.append(lv)
+        ]
+        levels.append(VarianceLevel(sum(logs), len(logs)))
         if opt.global_state.get("auto_freeze_step") is not None:
             break
+    decided = opt.global_state["auto_freeze_step"]
+    saved = opt.global_state["auto_freeze"]  # the window's max and min are logs we wrote out
+    for s, x in saved["highs"] + saved["lows"]:
+        assert x == pytest.approx(levels[s - 1].log_mean, rel=1e-12, abs=1e-12)
     replay = AutoFreeze()
-    decided = next(t for t, lv in enumerate(levels, 1) if replay.observe(t, lv))
-    assert decided == opt.global_state["auto_freeze_step"]
+    assert next(t for t, lv in enumerate(levels, 1) if replay.observe(t, lv)) == decided
+    assert replay.last_change == pytest.approx(saved["last_change"], abs=1e-12)
 
 
 def _lamb_reference(model, steps: int, freeze: int, lr: float, wd: float) -> None:

@@ -5,51 +5,108 @@ from __future__ import annotations
 import copy
 import logging
 import math
+import random
 
 import pytest
 import torch
 
-from commopt.freeze import AutoFreeze, settled_step, variance_level
+import commopt
+from commopt.freeze import AutoFreeze, VarianceLevel, settled_step, variance_level
 
 
-def _levels(n: int) -> list[float]:
-    """A level that falls fast, then settles: 1 + 4·e^(−t/15) plus a small wobble."""
-    return [1.0 + 4.0 * math.exp(-t / 15) + 0.002 * math.sin(t) for t in range(1, n + 1)]
+def _levels(n: int, scale: float = 1.0) -> list[float]:
+    """A level that falls fast, then settles: 1 + 4·e^(−t/(15·scale)) plus a small wobble."""
+    return [1.0 + 4.0 * math.exp(-t / (15 * scale)) + 0.002 * math.sin(t) for t in range(1, n + 1)]
 
 
-def _first_fire(levels: list[float], window: int, threshold: float, min_step: int) -> int | None:
-    """The rule written out directly: first t ≥ min_step with |ℓ_t − ℓ_{t−W}|/ℓ_t ≤ τ."""
-    for t in range(window + 1, len(levels) + 1):
-        now, then = levels[t - 1], levels[t - 1 - window]
-        if t >= min_step and abs(now - then) / now <= threshold:
+def _first_fire(
+    levels: list[float], fraction: float, threshold: float, min_step: int
+) -> int | None:
+    """The rule written out directly: the first t ≥ min_step at which the logs of the levels of
+    steps t − ⌊f·t⌋ … t lie within ``threshold`` of each other."""
+    for t in range(min_step, len(levels) + 1):
+        window = [math.log(lv) for lv in levels[t - math.floor(fraction * t) - 1 : t]]
+        if max(window) - min(window) <= threshold:
             return t
     return None
 
 
-@pytest.mark.parametrize(("window", "threshold"), [(20, 0.05), (10, 0.05), (5, 0.2)])
-def test_freezes_where_the_written_out_rule_says(window, threshold):
+@pytest.mark.parametrize(("fraction", "threshold"), [(0.5, 0.05), (0.25, 0.05), (0.5, 0.2)])
+def test_freezes_where_the_written_out_rule_says(fraction, threshold):
     levels = _levels(300)
-    want = _first_fire(levels, window, threshold, min_step=2 * window)
-    assert want is not None and 2 * window < want < 300
-    auto = AutoFreeze(min_step=2 * window, window=window, threshold=threshold)
+    want = _first_fire(levels, fraction, threshold, min_step=40)
+    assert want is not None and 40 < want < 300
+    auto = AutoFreeze(fraction=fraction, threshold=threshold)
     got = [auto.observe(t, lv) for t, lv in enumerate(levels, start=1)]
     assert auto.frozen_at == want
     assert got == [t >= want for t in range(1, 301)]  # once frozen, always frozen
     assert auto.last_change is not None and auto.last_change <= threshold
 
 
+def test_window_range_matches_brute_force_on_random_levels():
+    """The monotone queues give max − min of the window's logs at every step."""
+    rng = random.Random(3)
+    levels = [math.exp(rng.gauss(0.0, 0.3)) for _ in range(400)]
+    auto = AutoFreeze(min_step=400, max_step=1000, fraction=0.4, threshold=0.01)
+    for t, lv in enumerate(levels, start=1):
+        auto.observe(t, lv)
+        window = [math.log(x) for x in levels[t - math.floor(0.4 * t) - 1 : t]]
+        assert auto.last_change == max(window) - min(window), t
+
+
+def test_a_maximum_inside_the_window_blocks_the_decision():
+    """Flat, then a bump (up by half and back between steps 60 and 100), then flat. At step 100
+    the level equals its value at the window's start (50): the first rule's test of the two
+    ends would pass; the range does not until the bump has left the window (t − t/2 > 99)."""
+    levels = [
+        1.0 + (0.5 * math.sin(math.pi * (t - 60) / 40) if 60 < t < 100 else 0.0)
+        for t in range(1, 301)
+    ]
+    assert levels[99] == levels[49]
+    auto = AutoFreeze(min_step=100)
+    fired = [auto.observe(t, lv) for t, lv in enumerate(levels, start=1)]
+    assert auto.frozen_at == _first_fire(levels, 0.5, 0.05, 100) == fired.index(True) + 1
+    assert auto.frozen_at > 190
+
+
+def test_the_decision_scales_with_time_and_ignores_the_unit_of_the_level():
+    """A run k times slower decides about k times later (the window is a fraction of the steps
+    so far); multiplying every level by a constant changes nothing (logs)."""
+    fast = AutoFreeze(max_step=10**6)
+    slow = AutoFreeze(max_step=10**6)
+    for t, lv in enumerate(_levels(400), start=1):
+        if fast.observe(t, lv):
+            break
+    for t, lv in enumerate(_levels(4000, scale=10), start=1):
+        if slow.observe(t, lv):
+            break
+    assert fast.frozen_at is not None and slow.frozen_at is not None
+    assert 9.0 <= slow.frozen_at / fast.frozen_at <= 11.0, (fast.frozen_at, slow.frozen_at)
+    scaled = AutoFreeze()
+    decided = next(t for t, lv in enumerate(_levels(300), 1) if scaled.observe(t, 1e-6 * lv))
+    assert decided == fast.frozen_at
+
+
 def test_min_and_max_step_bound_the_decision():
     flat = [1.0] * 100  # settled from the start: the minimum decides
-    auto = AutoFreeze(min_step=30, window=5, threshold=0.01)
+    auto = AutoFreeze(min_step=30)
     assert [auto.observe(t, lv) for t, lv in enumerate(flat, 1)].index(True) + 1 == 30
-    moving = [float(t) for t in range(1, 101)]  # changes by W/t: 5/t > 0.01 until t = 500
-    auto = AutoFreeze(min_step=10, max_step=60, window=5, threshold=0.01)
+    moving = [float(t) for t in range(1, 101)]  # ln(t/(t/2)) = ln 2 > τ at every step
+    auto = AutoFreeze(min_step=10, max_step=60)
     fired = [auto.observe(t, lv) for t, lv in enumerate(moving, 1)]
     assert fired.index(True) + 1 == 60 and auto.frozen_at == 60
 
 
+def test_the_window_must_be_covered_by_observations():
+    """Observed from step 50 only: the window t − ⌊t/2⌋ … t starts at the first observation
+    from t = 99 on, so a flat level freezes there, not at min_step."""
+    auto = AutoFreeze(min_step=40)
+    fired = [auto.observe(t, 1.0) for t in range(50, 200)]
+    assert auto.frozen_at == 99 and fired.index(True) + 50 == 99
+
+
 def test_decision_is_logged_once(caplog):
-    auto = AutoFreeze(min_step=3, window=2, threshold=0.5)
+    auto = AutoFreeze(min_step=3, threshold=0.5)
     with caplog.at_level(logging.INFO, logger="commopt.freeze"):
         for t in range(1, 20):
             auto.observe(t, 1.0)
@@ -61,7 +118,8 @@ def test_state_dict_round_trip_resumes_exactly():
     levels = _levels(200)
     whole = AutoFreeze()
     decisions = [whole.observe(t, lv) for t, lv in enumerate(levels, 1)]
-    for cut in (1, 25, 41, 70, 150):
+    assert whole.frozen_at is not None
+    for cut in (1, 25, 41, 70, whole.frozen_at - 1, whole.frozen_at, 150):
         first = AutoFreeze()
         for t in range(1, cut + 1):
             first.observe(t, levels[t - 1])
@@ -70,19 +128,73 @@ def test_state_dict_round_trip_resumes_exactly():
         resumed.load_state_dict(saved)
         rest = [resumed.observe(t, levels[t - 1]) for t in range(cut + 1, 201)]
         assert rest == decisions[cut:], cut
-        assert resumed.frozen_at == whole.frozen_at
+        assert resumed.state_dict() == whole.state_dict(), cut
+
+
+def _first_rule_state(frozen_at: int | None) -> dict:
+    """The state layout the first rule saved (Σ mean √v̂ over a window of 20 observations)."""
+    return {
+        "min_step": 40,
+        "max_step": 100_000,
+        "window": 20,
+        "threshold": 0.05,
+        "frozen_at": frozen_at,
+        "last_step": 60,
+        "last_change": 0.04,
+        "levels": [1.0] * 21,
+    }
+
+
+def test_first_rule_states_load_when_decided_and_are_refused_otherwise():
+    auto = AutoFreeze()
+    auto.load_state_dict(_first_rule_state(55))
+    assert auto.frozen_at == 55 and auto.observe(61, 1.0)
+    with pytest.raises(ValueError, match="saved by the previous automatic freeze rule before it"):
+        AutoFreeze().load_state_dict(_first_rule_state(None))
+    with pytest.raises(ValueError, match="unknown rule 'other'"):
+        AutoFreeze().load_state_dict({**AutoFreeze().state_dict(), "rule": "other"})
+
+
+def test_an_optimizer_refuses_an_undecided_first_rule_state_at_load():
+    w = torch.nn.Parameter(torch.ones(4))
+    single = commopt.SingleProcessBackend()
+    opt = commopt.OnebitAdam([w], lr=0.1, freeze_step="auto", backend=single)
+    for _ in range(3):
+        opt.zero_grad()
+        (w**2).sum().backward()
+        opt.step()
+    saved = opt.state_dict()
+    undecided = copy.deepcopy(saved)
+    undecided["commopt"]["global"]["auto_freeze"] = _first_rule_state(None)
+    fresh = commopt.OnebitAdam([w], lr=0.1, freeze_step="auto", backend=single)
+    with pytest.raises(ValueError, match=r"int freeze_step .* allow_config_change=True"):
+        fresh.load_state_dict(undecided)
+    decided = copy.deepcopy(saved)
+    decided["commopt"]["global"]["auto_freeze"] = _first_rule_state(2)
+    decided["commopt"]["global"]["auto_freeze_step"] = 2
+    fresh = commopt.OnebitAdam([w], lr=0.1, freeze_step="auto", backend=single)
+    fresh.load_state_dict(decided)
+    assert fresh.frozen_after() == 2
+    fresh.zero_grad()
+    (w**2).sum().backward()
+    fresh.step()  # compression stage: the rule is not consulted again
+    assert fresh.frozen_after() == 2
 
 
 def test_load_rejects_other_settings_and_observe_rejects_bad_input():
-    saved = AutoFreeze(window=10).state_dict()
+    saved = AutoFreeze(fraction=0.25).state_dict()
     with pytest.raises(ValueError, match=r"saved settings .* differ"):
-        AutoFreeze(window=20).load_state_dict(saved)
+        AutoFreeze().load_state_dict(saved)
     auto = AutoFreeze()
     auto.observe(5, 1.0)
     with pytest.raises(ValueError, match="step 5 is not after the last observed step 5"):
         auto.observe(5, 1.0)
     with pytest.raises(ValueError, match="level must be finite"):
         auto.observe(6, float("nan"))
+    with pytest.raises(ValueError, match="level must be finite and >= 0"):
+        auto.observe(6, -1.0)
+    with pytest.raises(TypeError, match="level must be a VarianceLevel"):
+        auto.observe(6, "1.0")
 
 
 @pytest.mark.parametrize(
@@ -90,10 +202,12 @@ def test_load_rejects_other_settings_and_observe_rejects_bad_input():
     [
         ({"min_step": 0}, ValueError, "Invalid min_step: 0"),
         ({"min_step": 50, "max_step": 10}, ValueError, "Invalid max_step: 10"),
-        ({"window": 0}, ValueError, "Invalid window: 0"),
+        ({"fraction": 0.0}, ValueError, "Invalid fraction: 0.0"),
+        ({"fraction": 1.0}, ValueError, "Invalid fraction: 1.0"),
+        ({"fraction": "half"}, TypeError, "Invalid fraction: 'half'"),
         ({"threshold": 0.0}, ValueError, "Invalid threshold: 0.0"),
         ({"threshold": 1.5}, ValueError, "Invalid threshold: 1.5"),
-        ({"window": 2.5}, TypeError, "Invalid window: 2.5"),
+        ({"min_step": 2.5}, TypeError, "Invalid min_step: 2.5"),
     ],
 )
 def test_invalid_settings_are_rejected(kwargs, error, match):
@@ -113,8 +227,16 @@ def test_settled_step_matches_its_definition():
     assert auto.min_step == 1000  # capped at max_step
 
 
-def test_variance_level_sums_per_tensor_means_of_the_denominator():
+def test_variance_level_sums_logs_of_per_tensor_means_of_the_denominator():
     a = torch.tensor([4.0, 16.0])  # √: 2, 4 → mean 3
-    b = torch.tensor([[1.0]])  # √: 1
-    assert variance_level([a, b, torch.empty(0)]) == pytest.approx(4.0, abs=0)
-    assert variance_level([a], bias_correction=4.0) == pytest.approx(1.5, abs=0)
+    b = torch.tensor([[1.0]])  # √: 1 → mean 1
+    zero = torch.zeros(3)  # no variance yet: not counted
+    level = variance_level([a, b, torch.empty(0), zero])
+    assert level == VarianceLevel(math.log(3.0) + math.log(1.0), 2)
+    assert level.log_mean == pytest.approx(math.log(3.0) / 2, abs=0)
+    assert variance_level([a], bias_correction=4.0) == VarianceLevel(math.log(1.5), 1)
+    total = 0.0  # how the optimizers add the buckets' levels up
+    total += variance_level([a])
+    total += variance_level([b])
+    assert total == level == sum([variance_level([a]), variance_level([b])])
+    assert VarianceLevel().log_mean == -math.inf
