@@ -15,6 +15,7 @@ from commopt.optim.base import CompressedOptimizer
 from commopt.optim.config import OnebitLambConfig, check_adam_arguments, document_schedule
 from commopt.optim.flat_state import FlatState
 from commopt.optim.per_tensor import per_tensor, scale_tensors_, tensor_norms, tensor_ranges
+from commopt.optim.trust_ratio import lamb_ratio, raise_to_lamb_ratio_
 from commopt.step_guard import bound_step_, guarded_elements, step_bound
 
 __all__ = ["OnebitLamb"]
@@ -85,6 +86,7 @@ class OnebitLamb(CompressedOptimizer):
             exactly. ``"tracking"``: every compression step recomputes LAMB's own ratio
             c_k = clip(‖p_k‖/‖u_k‖, min_coeff, max_coeff) from u = m/(√v + ε) + λp, which every
             rank already holds after the exchange (no message; f and v_f are not used).
+            ``"max"``: max(c̄_k f_k, that c_k) per tensor (:mod:`commopt.optim.trust_ratio`).
         error_feedback: ``"classic"`` (SPEC §1, default) or ``"econtrol"`` (EControl, Gao et
             al. 2024; docs/algorithms/error_feedback.md) for the compressed exchange.
         econtrol_eta: η of EControl (default 0.2; ignored by ``"classic"``).
@@ -260,10 +262,7 @@ class OnebitLamb(CompressedOptimizer):
             torch.div(m[el], u[el], out=u[el])
             if group["weight_decay"] != 0:
                 u[el].add_(p[el], alpha=group["weight_decay"])
-        p_norm, u_norm = tensor_norms(bucket, p), tensor_norms(bucket, u)
-        ratio = p_norm / torch.where(u_norm > 0, u_norm, 1.0)
-        c = ratio.clamp_(cfg.min_coeff, cfg.max_coeff)
-        c = torch.where((p_norm > 0) & (u_norm > 0), c, 1.0)
+        c = lamb_ratio(bucket, p, u, cfg.min_coeff, cfg.max_coeff)
         coeff_freeze = scalars["lamb_coeff_freeze"]
         ema = coeff_freeze * cfg.coeff_beta + c * (1 - cfg.coeff_beta)
         coeff_freeze.copy_(torch.where(c != 1.0, ema, coeff_freeze))
@@ -358,10 +357,7 @@ class OnebitLamb(CompressedOptimizer):
                 bound_step_(u[el], step_bound(self.config.step_guard, group["betas"]), where)
             if group["weight_decay"] != 0:
                 u[el].add_(p[el], alpha=group["weight_decay"])
-        p_norm, u_norm = tensor_norms(bucket, p), tensor_norms(bucket, u)
-        ratio = p_norm / torch.where(u_norm > 0, u_norm, 1.0)
-        c = ratio.clamp_(cfg.min_coeff, cfg.max_coeff)
-        scalars["lamb_coeff"].copy_(torch.where((p_norm > 0) & (u_norm > 0), c, 1.0))
+        scalars["lamb_coeff"].copy_(lamb_ratio(bucket, p, u, cfg.min_coeff, cfg.max_coeff))
         self._apply_update(state, u, scalars["lamb_coeff"])
 
     def _variance_factor_update(self, state: FlatState) -> None:
@@ -406,6 +402,9 @@ class OnebitLamb(CompressedOptimizer):
         tau = cfg.factor_threshold
         last.copy_(torch.minimum(torch.maximum(f, last * (1 - tau)), last * (1 + tau)))
         scalars["lamb_coeff"].copy_(scalars["lamb_coeff_freeze"] * last)  # 10.
+        if cfg.trust_ratio == "max":  # beyond SPEC §3: at least LAMB's ratio of this u
+            p = state.gather_params(ratio)
+            raise_to_lamb_ratio_(scalars["lamb_coeff"], bucket, p, u, cfg.min_coeff, cfg.max_coeff)
         self._apply_update(state, u, scalars["lamb_coeff"])
 
     def _apply_update(self, state: FlatState, u: torch.Tensor, coeff: torch.Tensor) -> None:
