@@ -52,7 +52,7 @@ def document_schedule(cls: T) -> T:
 _WHY_FREEZE = "the variance has to be estimated before it is frozen"
 _WHY_SCALER = "it counts steps between doublings of an interval"
 _FEEDBACK = ("classic", "econtrol")
-_TRUST_RATIOS = ("frozen", "tracking")
+_TRUST_RATIOS = ("frozen", "tracking", "max")
 
 
 def check_freeze_step(name: str, value: int | str) -> None:
@@ -154,7 +154,8 @@ class OnebitLambConfig:
     factor_threshold: float = 0.1
     """τ: the most f may change relative to the previous step."""
     trust_ratio: str = "frozen"
-    """``"frozen"``: SPEC §3 (c̄·f); ``"tracking"``: LAMB's clamped ‖p‖/‖u‖ every step."""
+    """``"frozen"``: SPEC §3 (c̄·f); ``"tracking"``: LAMB's clamped ‖p‖/‖u‖ every step;
+    ``"max"``: the larger of the two."""
     error_feedback: str = "classic"
     """The compressed exchange's error feedback: ``"classic"`` (SPEC §1) or ``"econtrol"``."""
     econtrol_eta: float = 0.2

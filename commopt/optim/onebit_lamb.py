@@ -16,6 +16,7 @@ from commopt.optim.config import OnebitLambConfig, check_adam_arguments, documen
 from commopt.optim.flat_state import FlatState
 from commopt.optim.lamb_scaling import early_sigma, exchange_scaled_, freeze_scaling_coeffs
 from commopt.optim.per_tensor import per_tensor, scale_tensors_, tensor_norms, tensor_ranges
+from commopt.optim.trust_ratio import lamb_ratio, raise_to_lamb_ratio_
 from commopt.step_guard import bound_step_, guarded_elements, step_bound
 
 __all__ = ["OnebitLamb"]
@@ -86,12 +87,13 @@ class OnebitLamb(CompressedOptimizer):
             exactly. ``"tracking"``: every compression step recomputes LAMB's own ratio
             c_k = clip(‖p_k‖/‖u_k‖, min_coeff, max_coeff) from u = m/(√v + ε) + λp, which every
             rank already holds after the exchange (no message; f and v_f are not used).
+            ``"max"``: max(c̄_k f_k, that c_k) per tensor (:mod:`commopt.optim.trust_ratio`).
         overlap: start each bucket's communication during backward, as soon as its last
             gradient is accumulated: the warmup's full-precision average, and in the
             compression stage the fold and the σ-scaled exchange m' ← C(m'·σ)/σ (at the first
             compression step with the σ ``step()`` is about to freeze), on staged buffers;
             ``step()`` waits, commits and runs the rest (v_f, the factor, the trust ratio, the
-            update). Bit-identical to ``overlap=False``, with either ``trust_ratio``. Default
+            update). Bit-identical to ``overlap=False``, with any ``trust_ratio``. Default
             False. Needs several buckets (``bucket_numel``) to hide anything; the conditions
             (same parameters with gradients on every rank, :meth:`no_sync` to accumulate, no
             GradScaler, no DDP) are :class:`OnebitAdam`'s; see docs/overlap.md.
@@ -255,10 +257,7 @@ class OnebitLamb(CompressedOptimizer):
             torch.div(m[el], u[el], out=u[el])
             if group["weight_decay"] != 0:
                 u[el].add_(p[el], alpha=group["weight_decay"])
-        p_norm, u_norm = tensor_norms(bucket, p), tensor_norms(bucket, u)
-        ratio = p_norm / torch.where(u_norm > 0, u_norm, 1.0)
-        c = ratio.clamp_(cfg.min_coeff, cfg.max_coeff)
-        c = torch.where((p_norm > 0) & (u_norm > 0), c, 1.0)
+        c = lamb_ratio(bucket, p, u, cfg.min_coeff, cfg.max_coeff)
         coeff_freeze = scalars["lamb_coeff_freeze"]
         ema = coeff_freeze * cfg.coeff_beta + c * (1 - cfg.coeff_beta)
         coeff_freeze.copy_(torch.where(c != 1.0, ema, coeff_freeze))
@@ -331,10 +330,7 @@ class OnebitLamb(CompressedOptimizer):
                 bound_step_(u[el], step_bound(self.config.step_guard, group["betas"]), where)
             if group["weight_decay"] != 0:
                 u[el].add_(p[el], alpha=group["weight_decay"])
-        p_norm, u_norm = tensor_norms(bucket, p), tensor_norms(bucket, u)
-        ratio = p_norm / torch.where(u_norm > 0, u_norm, 1.0)
-        c = ratio.clamp_(cfg.min_coeff, cfg.max_coeff)
-        scalars["lamb_coeff"].copy_(torch.where((p_norm > 0) & (u_norm > 0), c, 1.0))
+        scalars["lamb_coeff"].copy_(lamb_ratio(bucket, p, u, cfg.min_coeff, cfg.max_coeff))
         self._apply_update(state, u, scalars["lamb_coeff"])
 
     def _variance_factor_update(self, state: FlatState) -> None:
@@ -379,6 +375,9 @@ class OnebitLamb(CompressedOptimizer):
         tau = cfg.factor_threshold
         last.copy_(torch.minimum(torch.maximum(f, last * (1 - tau)), last * (1 + tau)))
         scalars["lamb_coeff"].copy_(scalars["lamb_coeff_freeze"] * last)  # 10.
+        if cfg.trust_ratio == "max":  # beyond SPEC §3: at least LAMB's ratio of this u
+            p = state.gather_params(ratio)
+            raise_to_lamb_ratio_(scalars["lamb_coeff"], bucket, p, u, cfg.min_coeff, cfg.max_coeff)
         self._apply_update(state, u, scalars["lamb_coeff"])
 
     def _apply_update(self, state: FlatState, u: torch.Tensor, coeff: torch.Tensor) -> None:

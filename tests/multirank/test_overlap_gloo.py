@@ -192,12 +192,14 @@ def test_overlap_equals_no_overlap_every_step(opt_bucket, world_size, name):
         ("OnebitAdam", {"error_feedback": "econtrol"}),
         ("OnebitLamb", {"error_feedback": "econtrol"}),
         ("OnebitLamb", {"trust_ratio": "tracking"}),
+        ("OnebitLamb", {"trust_ratio": "max"}),
         ("ZeroOneAdam", {"error_feedback": "econtrol"}),
     ],
     ids=[
         "OnebitAdam-econtrol",
         "OnebitLamb-econtrol",
         "OnebitLamb-tracking",
+        "OnebitLamb-max",
         "ZeroOneAdam-econtrol",
     ],
 )

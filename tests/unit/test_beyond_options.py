@@ -1,5 +1,5 @@
 """The options of issue 13 on the three optimizers, in one process: freeze_step="auto",
-OnebitLamb(trust_ratio="tracking"), step_guard, and their config checks."""
+OnebitLamb(trust_ratio="tracking" | "max"), step_guard, and their config checks."""
 
 from __future__ import annotations
 
@@ -228,3 +228,90 @@ def test_options_are_in_the_config_and_the_exchange_follows_them():
     assert opt.exchange.name == "flat-econtrol" and opt.exchange.eta == 0.1
     assert commopt.OnebitAdam([w], backend=SINGLE).exchange.name == "flat"
     assert math.isinf(commopt.OnebitAdam([w], freeze_step="auto").frozen_after())
+
+
+def _max_rule_reference(p, g, st, group, cfg) -> tuple[torch.Tensor, float, float, float]:
+    """One compression step of trust_ratio="max" at n = 1 (the exchange is the identity) in
+    float64: SPEC §3 steps 1–10, then c = max(c̄·f, clip(‖p‖/‖u‖)). Returns (p', c, c̄·f, clip)."""
+    p, g = p.double(), g.double()
+    m, v, v_f = (st[k].double() for k in ("exp_avg", "exp_avg_sq", "exp_avg_sq_fresh"))
+    (b1, b2), eps, wd = group["betas"], group["eps"], group["weight_decay"]
+    m_new = b1 * m + (1 - b1) * g
+    g_hat = (m_new - b1 * m) / (1 - b1)
+    v_f = b2 * v_f + (1 - b2) * g_hat**2
+    f = float(((v.sqrt() + eps) / (v_f.sqrt() + eps)).max())
+    u0 = m_new / (v.sqrt() + eps)
+    u = u0 + wd * p
+    if wd > 0:
+        r = min(1.0, float(u0.norm() / u.norm()))
+        f = f * r + (1 - r)
+    last = float(st["last_factor"])
+    tau = cfg.factor_threshold
+    f = min(max(min(max(f, cfg.factor_min), cfg.factor_max), last * (1 - tau)), last * (1 + tau))
+    frozen = float(st["lamb_coeff_freeze"]) * f
+    tracking = min(max(float(p.norm() / u.norm()), cfg.min_coeff), cfg.max_coeff)
+    c = max(frozen, tracking)
+    return p - group["lr"] * c * u, c, frozen, tracking
+
+
+@pytest.mark.parametrize("wd", [0.0, 0.01])
+def test_max_trust_ratio_is_the_larger_of_frozen_and_tracking(wd):
+    """trust_ratio="max", step by step against a float64 re-statement: each compression step's
+    c_k is max(c̄_k·f_k, clip(‖p_k‖/‖u_k‖)), and both branches are taken."""
+    model = _model(3)
+    opt = commopt.OnebitLamb(
+        model.parameters(),
+        lr=0.02,
+        weight_decay=wd,
+        freeze_step=4,
+        trust_ratio="max",
+        coeff_beta=0.0,  # c̄ = the last warmup ratio and f rises to >= 2 at 10 % a step:
+        factor_min=2.0,  # c̄·f is the larger one for some steps, ‖p‖/‖u‖ for others
+        step_guard=False,  # the reference is the paper's step as is
+        backend=SINGLE,
+    )
+    _train(model, opt, range(4))
+    x, y = _data()
+    branches = set()
+    for step in range(4, 40):
+        idx = torch.arange(32) + (32 * step) % 480
+        opt.zero_grad()
+        ((model(x[idx]) - y[idx]) ** 2).mean().backward()
+        group = opt.param_groups[0]
+        want = [
+            _max_rule_reference(p.detach(), p.grad, opt.state[p], group, opt.config)
+            for p in model.parameters()
+        ]
+        opt.step()
+        for p, c, (p_ref, c_ref, frozen, tracking) in zip(
+            model.parameters(), opt.get_lamb_coeffs(), want, strict=True
+        ):
+            assert c == pytest.approx(c_ref, rel=1e-5), step
+            torch.testing.assert_close(p.detach().double(), p_ref, rtol=1e-5, atol=1e-7)
+            if tracking > 1.001 * frozen:
+                branches.add("tracking")
+            elif frozen > 1.001 * tracking:
+                branches.add("frozen")
+    assert branches == {"frozen", "tracking"}
+
+
+def test_max_trust_ratio_resume_is_exact():
+    """No new state: c̄, f^last and the last c are in state_dict, so a resume is bit-exact."""
+
+    def make(model):
+        return commopt.OnebitLamb(
+            model.parameters(), lr=0.02, freeze_step=4, trust_ratio="max", backend=SINGLE
+        )
+
+    model = _model(3)
+    opt = make(model)
+    _train(model, opt, range(8))
+    saved = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict()})
+    _train(model, opt, range(8, 20))
+    clone = _model(9)
+    clone.load_state_dict(saved["model"])
+    opt2 = make(clone)
+    opt2.load_state_dict(saved["opt"])
+    _train(clone, opt2, range(8, 20))
+    for a, b in zip(_state(opt, model), _state(opt2, clone), strict=True):
+        assert torch.equal(a, b)
