@@ -15,6 +15,11 @@ from commopt.optim.base import CompressedOptimizer
 from commopt.optim.config import ZeroOneAdamConfig, check_adam_arguments, document_schedule
 from commopt.optim.flat_state import FlatState
 from commopt.optim.user_warning import warn_at_caller
+from commopt.optim.variance_bias import (
+    variance_bias_sqrt,
+    variance_steps_through,
+    variance_updates,
+)
 from commopt.step_guard import bound_step_, guarded_denominator, guarded_elements, step_bound
 
 __all__ = ["ZeroOneAdam"]
@@ -142,6 +147,7 @@ class ZeroOneAdam(CompressedOptimizer):
         error_feedback: str = "classic",
         econtrol_eta: float = 0.2,
         step_guard: bool | str = "tiny",
+        bias_correction: bool = False,
     ) -> None:
         check_adam_arguments(lr, betas, eps, weight_decay)
         config = ZeroOneAdamConfig(
@@ -153,7 +159,9 @@ class ZeroOneAdam(CompressedOptimizer):
             local_step_scaler=local_step_scaler,
             local_step_clipper=local_step_clipper,
         )
-        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        defaults = dict(
+            lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction
+        )
         super().__init__(params, defaults, config, backend, topology)
         self.global_state.update(
             var_interval=1,  # I_v: variance steps are t ≡ 0 (mod I_v)
@@ -178,6 +186,27 @@ class ZeroOneAdam(CompressedOptimizer):
                 "optimizer of their own"
             )
         super().add_param_group(param_group)
+        # k of v̂ = v/(1 − β2^k) counts this group's variance updates from here on
+        self.param_groups[-1].setdefault("variance_offset", self._variance_updates())
+
+    def load_state_dict(
+        self, state_dict: dict[str, Any], *, allow_config_change: bool = False
+    ) -> None:
+        super().load_state_dict(state_dict, allow_config_change=allow_config_change)
+        for group in self.param_groups:  # saved before bias_correction existed: v used as is
+            group.setdefault("bias_correction", False)
+            if "variance_offset" not in group:  # the variance steps before it joined
+                steps = variance_steps_through(group["first_step"], self.config.var_update_scaler)
+                group["variance_offset"] = steps
+
+    def _variance_updates(self) -> int:
+        """Variance updates so far (all ranks alike, from the schedule state)."""
+        gs = getattr(self, "global_state", {})
+        if "var_interval" not in gs:  # (the constructor's groups, before the schedule exists)
+            return 0
+        return variance_updates(
+            gs["var_interval"], gs["var_counter"], self.config.var_update_scaler
+        )
 
     # -- schedule -----------------------------------------------------------------------------
     def _is_variance_step(self, step: int) -> bool:
@@ -238,7 +267,7 @@ class ZeroOneAdam(CompressedOptimizer):
                 beta1, beta2 = group["betas"]
                 sl = seg.slice
                 update_moments_(m[sl], v[sl] if variance else None, g[sl], beta1, beta2)
-            self._adam_update(state)  # 3.
+            self._adam_update(state, variance)  # 3.
         if variance:
             gs = self.global_state
             gs["var_counter"] += 1
@@ -331,16 +360,24 @@ class ZeroOneAdam(CompressedOptimizer):
                 "rank returns to the last synced parameters there (p = p_sync, m = 0)"
             )
 
-    def _frozen_denominator(self, state: FlatState) -> torch.Tensor:
-        """√v + ε (no bias correction in 0/1 Adam), read-only, kept while v does not change."""
-        return state.denominator([1.0] * len(state.bucket.segments), self._eps(state))
+    def _frozen_denominator(self, state: FlatState, updated: bool = False) -> torch.Tensor:
+        """√v̂ + ε, read-only, kept while v does not change: v̂ = v/(1 − β2^k) with
+        ``bias_correction`` (k: the group's variance updates, ``updated``: counting the one of
+        this step, not yet in the schedule), else v as it is (SPEC §4)."""
+        k = self._variance_updates() + updated
+        bias_sqrt = [
+            variance_bias_sqrt(g["betas"][1], k - g["variance_offset"], g["bias_correction"])
+            for _, g in self.segments(state)
+        ]
+        return state.denominator(bias_sqrt, self._eps(state))
 
     def _eps(self, state: FlatState) -> list[float]:
         return [group["eps"] for _, group in self.segments(state)]
 
-    def _adam_update(self, state: FlatState) -> None:
-        """p ← p − η·(m/(√v + ε) + λ·p), group by group, one ``addcdiv`` each."""
-        d = self._frozen_denominator(state)
+    def _adam_update(self, state: FlatState, updated: bool = False) -> None:
+        """p ← p − η·(m/(√v̂ + ε) + λ·p), group by group, one ``addcdiv`` each (``updated``:
+        v had its update of this step)."""
+        d = self._frozen_denominator(state, updated)
         m = state.flat["exp_avg"]
         for seg, group in self.segments(state):
             lr = group["lr"]
