@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["variance_bias_sqrt", "variance_steps_through", "variance_updates"]
+__all__ = ["momentum_step_size", "variance_bias_sqrt", "variance_steps_through", "variance_updates"]
 
 
 def variance_updates(var_interval: int, var_counter: int, scaler: int) -> int:
@@ -49,3 +49,11 @@ def variance_bias_sqrt(beta2: float, k: int, correct: bool) -> float:
     if not correct or k <= 0:
         return 1.0
     return math.sqrt(1.0 - beta2**k)
+
+
+def momentum_step_size(lr: float, beta1: float, t: int, correct: bool) -> float:
+    r"""η/(1 − β1^t): the step size that applies m̂ = m/(1 − β1^t) (m is updated every step, so
+    t counts steps, from the group's first); η itself without correction."""
+    if not correct or t <= 0:
+        return lr
+    return lr / (1.0 - beta1**t)

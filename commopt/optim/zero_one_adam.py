@@ -16,6 +16,7 @@ from commopt.optim.config import ZeroOneAdamConfig, check_adam_arguments, docume
 from commopt.optim.flat_state import FlatState
 from commopt.optim.user_warning import warn_at_caller
 from commopt.optim.variance_bias import (
+    momentum_step_size,
     variance_bias_sqrt,
     variance_steps_through,
     variance_updates,
@@ -234,7 +235,7 @@ class ZeroOneAdam(CompressedOptimizer):
         """After every phase-B step: s += η; every local_step_scaler steps, I_l doubles."""
         gs = self.global_state
         lrs = list(gs["lrs"]) + [0.0] * (len(self.param_groups) - len(gs["lrs"]))
-        gs["lrs"] = [s + g["lr"] for s, g in zip(lrs, self.param_groups, strict=True)]
+        gs["lrs"] = [s + self._step_size(g) for s, g in zip(lrs, self.param_groups, strict=True)]
         gs["local_counter"] += 1
         if gs["local_counter"] == self.config.local_step_scaler:
             gs["local_counter"] = 0
@@ -347,7 +348,7 @@ class ZeroOneAdam(CompressedOptimizer):
             for seg, group in self.segments(state):  # s lr-weighted steps of at most B each
                 where = guarded_elements(self.config.step_guard, state, seg)
                 lrs = self.global_state["lrs"][seg.group]
-                bound = step_bound(self.config.step_guard, group["betas"]) * lrs
+                bound = self._bound(group) * lrs
                 if where is not None and lrs > 0 and math.isfinite(bound):
                     bound_step_(acc[seg.slice], bound, where)
             acc.add_(p_sync)
@@ -371,6 +372,15 @@ class ZeroOneAdam(CompressedOptimizer):
         ]
         return state.denominator(bias_sqrt, self._eps(state))
 
+    def _step_size(self, group: dict[str, Any]) -> float:
+        """η/(1 − β1^t) with ``bias_correction`` (t: steps since the group joined), else η."""
+        t = self.global_state["step"] - group["first_step"]
+        return momentum_step_size(group["lr"], group["betas"][0], t, group["bias_correction"])
+
+    def _bound(self, group: dict[str, Any]) -> float:
+        """B: the step guard's bound on |m̂/(√v̂ + ε)| (:func:`commopt.step_guard.step_bound`)."""
+        return step_bound(self.config.step_guard, group["betas"], group["bias_correction"])
+
     def _eps(self, state: FlatState) -> list[float]:
         return [group["eps"] for _, group in self.segments(state)]
 
@@ -380,17 +390,16 @@ class ZeroOneAdam(CompressedOptimizer):
         d = self._frozen_denominator(state, updated)
         m = state.flat["exp_avg"]
         for seg, group in self.segments(state):
-            lr = group["lr"]
+            lr, step_size = group["lr"], self._step_size(group)
             where = guarded_elements(self.config.step_guard, state, seg)
             d_seg = d
-            if where is not None:  # |m/d| ≤ B(β1, β2) there; every other element keeps its bits
+            if where is not None:  # |m̂/d| ≤ B there; every other element keeps its bits
                 d_seg = state.scratch("guard")  # the whole bucket: seg.views slices it
                 sl = seg.slice
-                guarded_denominator(
-                    d_seg[sl],
-                    m[sl],
-                    d[sl],
-                    step_bound(self.config.step_guard, group["betas"]),
-                    where,
-                )
-            adam_update_(seg.params, seg.views(m), seg.views(d_seg), lr, group["weight_decay"], lr)
+                bound = self._bound(group)
+                if step_size != lr:  # (off: B itself, bit for bit)
+                    bound *= lr / step_size
+                guarded_denominator(d_seg[sl], m[sl], d[sl], bound, where)
+            adam_update_(
+                seg.params, seg.views(m), seg.views(d_seg), lr, group["weight_decay"], step_size
+            )

@@ -1,4 +1,5 @@
-"""ZeroOneAdam(bias_correction=True): v̂ = v/(1 − β2^k), k = the variance updates v has had.
+"""ZeroOneAdam(bias_correction=True): v̂ = v/(1 − β2^k), k = the variance updates v has had, and
+m̂ = m/(1 − β1^t), t = the steps since the group joined.
 
 Against a float64 re-statement written from the docs (docs/algorithms/zero_one_adam.md, "Bias
 correction"), at n = 1 where the compressed allreduce is the identity; the update count against
@@ -51,13 +52,14 @@ def test_bias_factor():
 
 
 class Reference64:
-    """SPEC §4 at n = 1 in float64, with v̂ = v/(1 − β2^k) per param group (k counted from the
-    step the group joined), m not corrected; written from the docs, not from the optimizer."""
+    """SPEC §4 at n = 1 in float64, with v̂ = v/(1 − β2^k) and m̂ = m/(1 − β1^t) per param group
+    (k: its variance updates, t: its steps), and s = Σ η/(1 − β1^t) over the local steps so that
+    m ← −a/s recovers m, not m̂; written from the docs, not from the optimizer."""
 
     def __init__(self, lr, betas, eps, wd, freeze, scaler, local_scaler, clipper):
         self.hp = (lr, betas, eps, wd)
         self.variance, self.sync = spec_schedule(freeze, scaler, local_scaler, clipper, 10**4)
-        self.freeze, self.t, self.lrs, self.p_sync = freeze, 0, 0.0, None
+        self.freeze, self.t, self.p_sync = freeze, 0, None
         self.groups: list[dict] = []
 
     def add_group(self, params):
@@ -67,6 +69,8 @@ class Reference64:
                 "m": [torch.zeros(q.shape, dtype=torch.float64) for q in params],
                 "v": [torch.zeros(q.shape, dtype=torch.float64) for q in params],
                 "k": 0,
+                "t": 0,
+                "lrs": 0.0,
             }
         )
 
@@ -83,6 +87,8 @@ class Reference64:
             self.p_sync = [[q.clone() for q in g["p"]] for g in self.groups]
         for group, gs in zip(self.groups, grads, strict=True):
             group["k"] += variance
+            group["t"] += 1
+            step_size = lr / (1 - b1 ** group["t"])
             for i, g in enumerate(gs):
                 g = g.double()
                 group["m"][i] = b1 * group["m"][i] + (1 - b1) * g
@@ -90,18 +96,18 @@ class Reference64:
                     group["v"][i] = b2 * group["v"][i] + (1 - b2) * g * g
             d = self._d(group, group["k"])
             for i, q in enumerate(group["p"]):
-                group["p"][i] = q - lr * (group["m"][i] / d[i] + wd * q)
-        if self.t > self.freeze:
-            self.lrs += lr
-            if self.t in self.sync:
-                for j, group in enumerate(self.groups):
-                    d = self._d(group, group["k"])
-                    for i in range(len(group["p"])):
-                        acc = (group["p"][i] - self.p_sync[j][i]) * d[i]
-                        group["m"][i] = -acc / self.lrs
-                        group["p"][i] = self.p_sync[j][i] + acc / d[i]
-                        self.p_sync[j][i] = group["p"][i].clone()
-                self.lrs = 0.0
+                group["p"][i] = q - step_size * group["m"][i] / d[i] - lr * wd * q
+            if self.t > self.freeze:
+                group["lrs"] += step_size
+        if self.t > self.freeze and self.t in self.sync:
+            for j, group in enumerate(self.groups):
+                d = self._d(group, group["k"])
+                for i in range(len(group["p"])):
+                    acc = (group["p"][i] - self.p_sync[j][i]) * d[i]
+                    group["m"][i] = -acc / group["lrs"]
+                    group["p"][i] = self.p_sync[j][i] + acc / d[i]
+                    self.p_sync[j][i] = group["p"][i].clone()
+                group["lrs"] = 0.0
 
 
 def test_whole_run_matches_float64_reference_with_a_group_added_later():
@@ -135,8 +141,8 @@ def test_whole_run_matches_float64_reference_with_a_group_added_later():
     assert [g["k"] for g in ref.groups] == [5, 3]
 
 
-def test_first_step_is_beta1_times_sign_and_k_freezes_with_v():
-    """Step 1: v̂ = ḡ² exactly, m = (1−β1)ḡ, so p moves by η(1−β1)·sign(ḡ) (ε = 0); after the
+def test_first_step_is_adams_and_k_freezes_with_v():
+    """Step 1: v̂ = ḡ², m̂ = ḡ, so p moves by η·sign(ḡ) (ε = 0), as Adam's first step; after the
     freeze the denominator no longer changes (k stops with v)."""
     p = torch.nn.Parameter(torch.tensor([1.0, -2.0, 3.0]))
     opt = ZeroOneAdam(
@@ -152,7 +158,7 @@ def test_first_step_is_beta1_times_sign_and_k_freezes_with_v():
     p.grad = torch.tensor([4.0, -0.5, 1e-3])
     before = p.detach().clone()
     opt.step()
-    torch.testing.assert_close(before - p.detach(), 0.1 * 0.1 * torch.sign(p.grad))
+    torch.testing.assert_close(before - p.detach(), 0.1 * torch.sign(p.grad))
     for _ in range(6):
         p.grad = torch.randn(3)
         opt.step()
