@@ -148,7 +148,7 @@ class ZeroOneAdam(CompressedOptimizer):
         error_feedback: str = "classic",
         econtrol_eta: float = 0.2,
         step_guard: bool | str = "tiny",
-        bias_correction: bool = False,
+        bias_correction: bool = True,
     ) -> None:
         check_adam_arguments(lr, betas, eps, weight_decay)
         config = ZeroOneAdamConfig(
