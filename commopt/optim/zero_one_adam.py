@@ -32,8 +32,10 @@ class ZeroOneAdam(CompressedOptimizer):
 
     β1, β2 are ``betas``; η is ``lr``; λ is ``weight_decay``; T_v is ``var_freeze_step``; g is
     this rank's gradient, ḡ its average over the n ranks and C the error-compensated 1-bit
-    allreduce of SPEC §1. No bias correction, as in the paper's reference implementation.
-    Steps are counted from 1.
+    allreduce of SPEC §1. Steps are counted from 1. The formulas are SPEC §4's, without bias
+    correction as in the paper's reference implementation (``bias_correction=False``); by
+    default commopt uses v̂ = v/(1 − β2^k) and m̂ = m/(1 − β1^t) in their place (see
+    ``bias_correction``).
 
     **Phase A** (t ≤ T_v). A *variance step* is one with t ≡ 0 (mod I_v); I_v starts at 1 and
     doubles after every ``var_update_scaler`` variance steps (from the next step on):
@@ -82,6 +84,13 @@ class ZeroOneAdam(CompressedOptimizer):
         var_update_scaler: variance steps between doublings of I_v (default 16, >= 1).
         local_step_scaler: phase-B steps between doublings of I_l (default 32768, >= 1).
         local_step_clipper: the largest I_l (default 16, >= 1).
+        bias_correction: per param group (default True): divide v by 1 − β2^k, k the variance
+            updates it has had (since the group joined; frozen with v), and m by 1 − β1^t, t the
+            steps since the group joined, as Adam does; phase B adds η/(1 − β1^t) to s. An
+            intended difference from SPEC §4 and DeepSpeed (``False``): uncorrected, v frozen
+            after k ≪ 1/(1 − β2) updates makes every later step 1/√(1 − β2^k) too large
+            (docs/algorithms/zero_one_adam.md). k and t come from the shared schedule: nothing
+            is exchanged or saved for them.
         backend: communication backend; ``None`` resolves as SPEC §5 (``commopt.init()``'s).
         topology: ``"flat"`` (SPEC §1 over all ranks, default), ``"hierarchical"`` (full
             precision inside each node, 1 bit between nodes; on gloo the node's ranks share
@@ -107,7 +116,8 @@ class ZeroOneAdam(CompressedOptimizer):
 
     {schedule_and_resume}
 
-    Differences from DeepSpeed's ``ZeroOneAdam``: the phase, both schedules, p_sync and the
+    Differences from DeepSpeed's ``ZeroOneAdam``: ``bias_correction`` (DeepSpeed ignores its
+    argument of that name); the phase, both schedules, p_sync and the
     learning-rate sum are restored on resume (DeepSpeed restarts the schedules and loses the
     phase flag, which desynchronises v across ranks); at n = 1 no gradient is dropped
     (DeepSpeed drops it on phase-A non-variance steps); p_sync replaces the subtracted-back
