@@ -1,4 +1,4 @@
-r"""0/1 Adam's variance bias correction on the demo's byte LM, against Adam.
+r"""0/1 Adam's bias correction on the demo's byte LM, against Adam.
 
     python -m experiments.beyond.zero_one_bias --seeds 0,1 --out experiments/beyond/results
 
@@ -6,7 +6,8 @@ The demo's byte LM (experiments/demo/train_bytelm.py: 300 steps, lr 2e-3), 4 ran
 experiment's 0/1 Adam schedule (var_freeze_step 75, var_update_scaler 16, local_step_scaler
 steps//4, local_step_clipper 16) and 0/1 Adam's literal default var_freeze_step = 100000 (phase A,
 1-bit gradients and thinning fp32 variance steps, for the whole run), each with
-``bias_correction`` off (SPEC §4: v as it is) and on (v̂ = v/(1 − β2^k)), at the paper's
+``bias_correction`` off (SPEC §4: m and v as they are) and on (v̂ = v/(1 − β2^k), k the
+variance updates, m̂ = m/(1 − β1^t)), at the paper's
 β2 = 0.999 and at the demo's 0.96. Every row uses the default step guard ("tiny") and the
 zero-variance mask. torch.optim.Adam (β2 = 0.999, fp32-averaged gradients) is the reference.
 Writes ``zero_one_bias.md`` (one column per seed, the mean, and the mean's distance to Adam's)
@@ -108,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         means[label] = statistics.fmean(losses) if all(map(math.isfinite, losses)) else math.nan
     adam = means.get(ADAM, math.nan)
     lines = [
-        "## 0/1 Adam's variance bias correction on the demo byte LM",
+        "## 0/1 Adam's bias correction on the demo byte LM",
         "",
         f"Machine: {describe_machine()}. Steps {args.steps}, {args.ranks} ranks, "
         f"seeds {args.seeds}; T_v = 75 is the demo's warmup.",
