@@ -88,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated labels")
     parser.add_argument("--seeds", default="0", help="demo seeds (model init and batches)")
     parser.add_argument("--steps", type=int, default=demo.Config.steps)
+    parser.add_argument("--warmup", type=int, default=demo.Config.warmup, help="T_v of the rows")
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--small", action="store_true", help="a tiny model and corpus (tests)")
     parser.add_argument("--out", type=pathlib.Path, default=OUT)
@@ -99,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         extra = dict(batch=4, hidden=16, embed=8, eval_contexts=64, max_corpus_bytes=2_000_000)
     per_seed = {}
     for seed in seeds:
-        cfg = demo.Config(steps=args.steps, seed=seed, **extra)
+        cfg = demo.Config(steps=args.steps, warmup=args.warmup, seed=seed, **extra)
         variants = [_variant(label) for label in labels]
         per_seed[seed] = launch(_ranks, args.ranks, variants, cfg, timeout=7200.0)
         print(seed, {k: v for k, v in per_seed[seed].items() if k != "_machine"}, flush=True)
@@ -112,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         "## 0/1 Adam's bias correction on the demo byte LM",
         "",
         f"Machine: {describe_machine()}. Steps {args.steps}, {args.ranks} ranks, "
-        f"seeds {args.seeds}; T_v = 75 is the demo's warmup.",
+        f"seeds {args.seeds}; T_v = {args.warmup} is the demo's warmup.",
         "",
         "| variant | " + " | ".join(f"val loss seed {s}" for s in seeds) + " | mean | vs Adam "
         "| steps skipped | MB sent/rank | replicas identical |",

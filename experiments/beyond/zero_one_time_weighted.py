@@ -86,6 +86,9 @@ SETTINGS = [(0.999, None), (0.999, 100_000), (0.96, None)]
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", default="0")
+    parser.add_argument("--steps", type=int, default=demo.Config.steps)
+    parser.add_argument("--ranks", type=int, default=4)
+    parser.add_argument("--small", action="store_true", help="a tiny model and corpus (tests)")
     parser.add_argument("--out", type=pathlib.Path, default=OUT)
     args = parser.parse_args(argv)
     variants = [
@@ -101,7 +104,11 @@ def main(argv: list[str] | None = None) -> int:
         "|---|---|---|",
     ]
     for seed in (int(s) for s in args.seeds.split(",")):
-        out = launch(_ranks, 4, variants, demo.Config(seed=seed), timeout=7200.0)
+        extra = {}
+        if args.small:
+            extra = dict(batch=4, hidden=16, embed=8, eval_contexts=64, max_corpus_bytes=2_000_000)
+        cfg = demo.Config(steps=args.steps, seed=seed, **extra)
+        out = launch(_ranks, args.ranks, variants, cfg, timeout=7200.0)
         lines += [f"| {v.label} | {seed} | {out[v.label]['val_loss']:.4f} |" for v in variants]
     text = "\n".join(["## 0/1 Adam, variance EMA in steps (measurement only)", "", *lines]) + "\n"
     args.out.mkdir(parents=True, exist_ok=True)
