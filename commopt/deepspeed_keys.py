@@ -66,8 +66,10 @@ SPECS: dict[str, dict[str, Any]] = {
             "local_step_clipper",
         ),
         "no_meaning": {
-            "bias_correction": "0/1 Adam uses m and v without bias correction, in DeepSpeed and "
-            "in commopt",
+            "bias_correction": "DeepSpeed's 0/1 Adam ignores it (no bias correction); commopt's "
+            "ZeroOneAdam corrects m and v by default, an intended difference "
+            "(docs/algorithms/zero_one_adam.md): pass bias_correction=False as an override "
+            "for DeepSpeed's step",
         },
     },
 }

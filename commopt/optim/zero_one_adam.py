@@ -15,6 +15,12 @@ from commopt.optim.base import CompressedOptimizer
 from commopt.optim.config import ZeroOneAdamConfig, check_adam_arguments, document_schedule
 from commopt.optim.flat_state import FlatState
 from commopt.optim.user_warning import warn_at_caller
+from commopt.optim.variance_bias import (
+    momentum_step_size,
+    variance_bias_sqrt,
+    variance_steps_through,
+    variance_updates,
+)
 from commopt.step_guard import bound_step_, guarded_denominator, guarded_elements, step_bound
 
 __all__ = ["ZeroOneAdam"]
@@ -26,8 +32,10 @@ class ZeroOneAdam(CompressedOptimizer):
 
     β1, β2 are ``betas``; η is ``lr``; λ is ``weight_decay``; T_v is ``var_freeze_step``; g is
     this rank's gradient, ḡ its average over the n ranks and C the error-compensated 1-bit
-    allreduce of SPEC §1. No bias correction, as in the paper's reference implementation.
-    Steps are counted from 1.
+    allreduce of SPEC §1. Steps are counted from 1. The formulas are SPEC §4's, without bias
+    correction as in the paper's reference implementation (``bias_correction=False``); by
+    default commopt uses v̂ = v/(1 − β2^k) and m̂ = m/(1 − β1^t) in their place (see
+    ``bias_correction``).
 
     **Phase A** (t ≤ T_v). A *variance step* is one with t ≡ 0 (mod I_v); I_v starts at 1 and
     doubles after every ``var_update_scaler`` variance steps (from the next step on):
@@ -69,13 +77,21 @@ class ZeroOneAdam(CompressedOptimizer):
         weight_decay: decoupled weight decay λ (default 0).
         var_freeze_step: T_v, the last step of phase A (default 100000, >= 1), or ``"auto"``:
             phase A ends on the variance step at which the variance has settled
-            (:class:`commopt.freeze.AutoFreeze` on the bias-corrected level, and not before the
-            uncorrected v has grown to within the threshold of its level, which takes
-            :func:`commopt.freeze.settled_step` variance updates: ≈ 2.3/(1 − β2));
+            (:class:`commopt.freeze.AutoFreeze` on the bias-corrected level; with
+            ``bias_correction=False`` also not before the uncorrected v has grown to within the
+            threshold of its level, which takes :func:`commopt.freeze.settled_step` variance
+            updates: ≈ 2.3/(1 − β2));
             the step chosen is ``global_state["auto_freeze_step"]``.
         var_update_scaler: variance steps between doublings of I_v (default 16, >= 1).
         local_step_scaler: phase-B steps between doublings of I_l (default 32768, >= 1).
         local_step_clipper: the largest I_l (default 16, >= 1).
+        bias_correction: per param group (default True): divide v by 1 − β2^k, k the variance
+            updates it has had (since the group joined; frozen with v), and m by 1 − β1^t, t the
+            steps since the group joined, as Adam does; phase B adds η/(1 − β1^t) to s. An
+            intended difference from SPEC §4 and DeepSpeed (``False``): uncorrected, v frozen
+            after k ≪ 1/(1 − β2) updates makes every later step 1/√(1 − β2^k) too large
+            (docs/algorithms/zero_one_adam.md). k and t come from the shared schedule: nothing
+            is exchanged or saved for them.
         backend: communication backend; ``None`` resolves as SPEC §5 (``commopt.init()``'s).
         topology: ``"flat"`` (SPEC §1 over all ranks, default), ``"hierarchical"`` (full
             precision inside each node, 1 bit between nodes; on gloo the node's ranks share
@@ -111,7 +127,8 @@ class ZeroOneAdam(CompressedOptimizer):
 
     {schedule_and_resume}
 
-    Differences from DeepSpeed's ``ZeroOneAdam``: the phase, both schedules, p_sync and the
+    Differences from DeepSpeed's ``ZeroOneAdam``: ``bias_correction`` (DeepSpeed ignores its
+    argument of that name); the phase, both schedules, p_sync and the
     learning-rate sum are restored on resume (DeepSpeed restarts the schedules and loses the
     phase flag, which desynchronises v across ranks); at n = 1 no gradient is dropped
     (DeepSpeed drops it on phase-A non-variance steps); p_sync replaces the subtracted-back
@@ -154,6 +171,7 @@ class ZeroOneAdam(CompressedOptimizer):
         error_feedback: str = "classic",
         econtrol_eta: float = 0.2,
         step_guard: bool | str = "tiny",
+        bias_correction: bool = True,
     ) -> None:
         check_adam_arguments(lr, betas, eps, weight_decay)
         config = ZeroOneAdamConfig(
@@ -165,7 +183,9 @@ class ZeroOneAdam(CompressedOptimizer):
             local_step_scaler=local_step_scaler,
             local_step_clipper=local_step_clipper,
         )
-        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        defaults = dict(
+            lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction
+        )
         super().__init__(params, defaults, config, backend, topology)
         self._set_overlap(overlap, bucket_numel)
         self.global_state.update(
@@ -191,6 +211,27 @@ class ZeroOneAdam(CompressedOptimizer):
                 "optimizer of their own"
             )
         super().add_param_group(param_group)
+        # k of v̂ = v/(1 − β2^k) counts this group's variance updates from here on
+        self.param_groups[-1].setdefault("variance_offset", self._variance_updates())
+
+    def load_state_dict(
+        self, state_dict: dict[str, Any], *, allow_config_change: bool = False
+    ) -> None:
+        super().load_state_dict(state_dict, allow_config_change=allow_config_change)
+        for group in self.param_groups:  # saved before bias_correction existed: v used as is
+            group.setdefault("bias_correction", False)
+            if "variance_offset" not in group:  # the variance steps before it joined
+                steps = variance_steps_through(group["first_step"], self.config.var_update_scaler)
+                group["variance_offset"] = steps
+
+    def _variance_updates(self) -> int:
+        """Variance updates so far (all ranks alike, from the schedule state)."""
+        gs = getattr(self, "global_state", {})
+        if "var_interval" not in gs:  # (the constructor's groups, before the schedule exists)
+            return 0
+        return variance_updates(
+            gs["var_interval"], gs["var_counter"], self.config.var_update_scaler
+        )
 
     # -- schedule -----------------------------------------------------------------------------
     def _is_variance_step(self, step: int) -> bool:
@@ -218,7 +259,7 @@ class ZeroOneAdam(CompressedOptimizer):
         """After every phase-B step: s += η; every local_step_scaler steps, I_l doubles."""
         gs = self.global_state
         lrs = list(gs["lrs"]) + [0.0] * (len(self.param_groups) - len(gs["lrs"]))
-        gs["lrs"] = [s + g["lr"] for s, g in zip(lrs, self.param_groups, strict=True)]
+        gs["lrs"] = [s + self._step_size(g) for s, g in zip(lrs, self.param_groups, strict=True)]
         gs["local_counter"] += 1
         if gs["local_counter"] == self.config.local_step_scaler:
             gs["local_counter"] = 0
@@ -251,7 +292,7 @@ class ZeroOneAdam(CompressedOptimizer):
                 beta1, beta2 = group["betas"]
                 sl = seg.slice
                 update_moments_(m[sl], v[sl] if variance else None, g[sl], beta1, beta2)
-            self._adam_update(state)  # 3.
+            self._adam_update(state, variance)  # 3.
         if variance:
             gs = self.global_state
             gs["var_counter"] += 1
@@ -263,7 +304,8 @@ class ZeroOneAdam(CompressedOptimizer):
 
     def _observe(self, step: int) -> None:
         """After variance step ``step``: the automatic freeze sees the bias-corrected level of
-        v after k variance updates, and may freeze only once (1 − β2^k) has settled."""
+        v after k variance updates; a group without ``bias_correction`` (its frozen v is used as
+        it is) lets it freeze only once (1 − β2^k) has settled."""
         gs = self.global_state
         k = gs["variance_updates"] = gs.get("variance_updates", 0) + 1
         level, settled = 0.0, 1
@@ -275,7 +317,8 @@ class ZeroOneAdam(CompressedOptimizer):
             for seg, group in self.segments(state):
                 beta2 = group["betas"][1]
                 level += variance_level(seg.views(v), 1 - beta2**k)
-                settled = max(settled, settled_step(beta2, threshold))
+                if not group["bias_correction"]:
+                    settled = max(settled, settled_step(beta2, threshold))
         self._observe_variance(step, level, ready=k >= settled)
 
     def _phase_b_step(self, step: int) -> None:
@@ -331,7 +374,7 @@ class ZeroOneAdam(CompressedOptimizer):
             for seg, group in self.segments(state):  # s lr-weighted steps of at most B each
                 where = guarded_elements(self.config.step_guard, state, seg)
                 lrs = self.global_state["lrs"][seg.group]
-                bound = step_bound(self.config.step_guard, group["betas"]) * lrs
+                bound = self._bound(group) * lrs
                 if where is not None and lrs > 0 and math.isfinite(bound):
                     bound_step_(acc[seg.slice], bound, where)
             acc.add_(p_sync)
@@ -344,29 +387,45 @@ class ZeroOneAdam(CompressedOptimizer):
                 "rank returns to the last synced parameters there (p = p_sync, m = 0)"
             )
 
-    def _frozen_denominator(self, state: FlatState) -> torch.Tensor:
-        """√v + ε (no bias correction in 0/1 Adam), read-only, kept while v does not change."""
-        return state.denominator([1.0] * len(state.bucket.segments), self._eps(state))
+    def _frozen_denominator(self, state: FlatState, updated: bool = False) -> torch.Tensor:
+        """√v̂ + ε, read-only, kept while v does not change: v̂ = v/(1 − β2^k) with
+        ``bias_correction`` (k: the group's variance updates, ``updated``: counting the one of
+        this step, not yet in the schedule), else v as it is (SPEC §4)."""
+        k = self._variance_updates() + updated
+        bias_sqrt = [
+            variance_bias_sqrt(g["betas"][1], k - g["variance_offset"], g["bias_correction"])
+            for _, g in self.segments(state)
+        ]
+        return state.denominator(bias_sqrt, self._eps(state))
+
+    def _step_size(self, group: dict[str, Any]) -> float:
+        """η/(1 − β1^t) with ``bias_correction`` (t: steps since the group joined), else η."""
+        t = self.global_state["step"] - group["first_step"]
+        return momentum_step_size(group["lr"], group["betas"][0], t, group["bias_correction"])
+
+    def _bound(self, group: dict[str, Any]) -> float:
+        """B: the step guard's bound on |m̂/(√v̂ + ε)| (:func:`commopt.step_guard.step_bound`)."""
+        return step_bound(self.config.step_guard, group["betas"], group["bias_correction"])
 
     def _eps(self, state: FlatState) -> list[float]:
         return [group["eps"] for _, group in self.segments(state)]
 
-    def _adam_update(self, state: FlatState) -> None:
-        """p ← p − η·(m/(√v + ε) + λ·p), group by group, one ``addcdiv`` each."""
-        d = self._frozen_denominator(state)
+    def _adam_update(self, state: FlatState, updated: bool = False) -> None:
+        """p ← p − η·(m/(√v̂ + ε) + λ·p), group by group, one ``addcdiv`` each (``updated``:
+        v had its update of this step)."""
+        d = self._frozen_denominator(state, updated)
         m = state.flat["exp_avg"]
         for seg, group in self.segments(state):
-            lr = group["lr"]
+            lr, step_size = group["lr"], self._step_size(group)
             where = guarded_elements(self.config.step_guard, state, seg)
             d_seg = d
-            if where is not None:  # |m/d| ≤ B(β1, β2) there; every other element keeps its bits
+            if where is not None:  # |m̂/d| ≤ B there; every other element keeps its bits
                 d_seg = state.scratch("guard")  # the whole bucket: seg.views slices it
                 sl = seg.slice
-                guarded_denominator(
-                    d_seg[sl],
-                    m[sl],
-                    d[sl],
-                    step_bound(self.config.step_guard, group["betas"]),
-                    where,
-                )
-            adam_update_(seg.params, seg.views(m), seg.views(d_seg), lr, group["weight_decay"], lr)
+                bound = self._bound(group)
+                if step_size != lr:  # (off: B itself, bit for bit)
+                    bound *= lr / step_size
+                guarded_denominator(d_seg[sl], m[sl], d[sl], bound, where)
+            adam_update_(
+                seg.params, seg.views(m), seg.views(d_seg), lr, group["weight_decay"], step_size
+            )

@@ -8,8 +8,10 @@ guard (SPEC §8). ``step_guard`` rows: ``tiny`` (the default: clamp |m/(√v+ε)
 where v < 1 % of the tensor's mean v), ``all`` (``True``: every element), ``off`` (``False``:
 the papers' step), and an ε floor (ε = 1e-6, guard off). 0/1 Adam at β2 = 0.999 (the paper's)
 and 0.96 (the demo's 1 − 3/T_v); 1-bit Adam and 1-bit LAMB at their defaults, guard on and off,
-to see what the default costs where nothing diverges. Writes ``guard.md`` (one table per seed
-and a mean over seeds) into ``--out``.
+to see what the default costs where nothing diverges. 0/1 Adam runs with
+``bias_correction=False`` (SPEC §4, the default when this was measured): the guard is measured
+on the uncorrected v it was made for; experiments/beyond/zero_one_bias.py measures the
+correction. Writes ``guard.md`` (one table per seed and a mean over seeds) into ``--out``.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ def _zero_one(beta2: float, guard: Any, eps: float = 1e-8):
             local_step_scaler=max(1, cfg.steps // 4),
             local_step_clipper=16,
             step_guard=guard,
+            bias_correction=False,
         )
 
     return build

@@ -8,10 +8,15 @@ rank. Run it before and after a change; the lines must be identical.
 
     python -m experiments.optim.state_digest
     python -m experiments.optim.state_digest --step-guard off   # the papers' step (no guard)
+    python -m experiments.optim.state_digest --zero-one-bias-correction off
 
 The default run uses the optimizers' defaults, so a change of a default changes its lines
-(``step_guard="tiny"`` did: docs/algorithms/step_guard.md); ``--step-guard off`` passes
-``step_guard=False`` and must print the lines of the code before the guard existed.
+(``step_guard="tiny"`` did: docs/algorithms/step_guard.md; so did 0/1 Adam's
+``bias_correction=True``: docs/algorithms/zero_one_adam.md). ``--step-guard off`` is the papers'
+step: it passes ``step_guard=False`` and ZeroOneAdam ``bias_correction=False``, and must print
+the lines of the code before the guard existed. ``--zero-one-bias-correction off`` passes
+ZeroOneAdam ``bias_correction=False`` only: its line is then the default line of the code before
+the bias correction existed.
 """
 
 from __future__ import annotations
@@ -101,10 +106,13 @@ def _digest(backend, name: str, options: dict) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--step-guard", choices=("default", "off"), default="default")
+    parser.add_argument("--zero-one-bias-correction", choices=("default", "off"), default="default")
     args = parser.parse_args(argv)
     options = {"step_guard": False} if args.step_guard == "off" else {}
+    papers = args.step_guard == "off" or args.zero_one_bias_correction == "off"
     for name in _OPTIMIZERS:
-        digests = run_ranks(_digest, 4, name, options, timeout=300)
+        extra = {"bias_correction": False} if name == "ZeroOneAdam" and papers else {}
+        digests = run_ranks(_digest, 4, name, {**options, **extra}, timeout=300)
         print(name, " ".join(digests))
 
 

@@ -81,3 +81,27 @@ def test_guard(tmp_path, variant):
     _run("experiments.beyond.guard", tmp_path, *small, "--variants", variant)
     table = (tmp_path / "guard.md").read_text()
     assert f"| {variant} |" in table and "val loss seed 1" in table
+
+
+def test_zero_one_bias(tmp_path):
+    variants = "Adam,ZeroOneAdam β2=0.999 T_v=75 bias_correction=on"
+    small = ("--small", "--steps", "8", "--warmup", "3", "--ranks", "2", "--seeds", "0,1")
+    _run("experiments.beyond.zero_one_bias", tmp_path, *small, "--variants", variants)
+    table = (tmp_path / "zero_one_bias.md").read_text()
+    for label in variants.split(","):
+        losses = _losses(table, label)
+        assert len(losses) >= 3 and all(map(math.isfinite, losses)), table
+
+
+def test_zero_one_time_weighted(tmp_path):
+    _run(
+        "experiments.beyond.zero_one_time_weighted",
+        tmp_path,
+        "--small",
+        "--steps",
+        "8",
+        "--ranks",
+        "2",
+    )
+    table = (tmp_path / "zero_one_time_weighted.md").read_text()
+    assert table.count("| time-weighted") == 3, table

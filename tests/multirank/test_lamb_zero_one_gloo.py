@@ -115,7 +115,14 @@ def test_lamb_four_ranks_one_fused_call_sigma_and_identical_replicas():
 
 
 # -- 0/1 Adam: the collective pattern of both schedules, v identical, syncs ----------------------
-ZO = dict(var_freeze_step=12, var_update_scaler=2, local_step_scaler=3, local_step_clipper=4)
+# SPEC §4 (and DeepSpeed) as written: v and m uncorrected, s = Ση (the sync check below)
+ZO = dict(
+    var_freeze_step=12,
+    var_update_scaler=2,
+    local_step_scaler=3,
+    local_step_clipper=4,
+    bias_correction=False,
+)
 ZO_STEPS, BAD_STEP, BAD_RANK = 36, 21, 1
 # From SPEC §4 by hand: variance steps 1, 2, 4, 6, 8, 12 (I_v doubles after every 2 of them);
 # phase B: I_l = 1 for steps 13–15, 2 for 16–18, then 4 (the clipper) from step 19.

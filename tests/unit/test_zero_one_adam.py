@@ -108,7 +108,7 @@ def test_whole_run_matches_reference_at_world_size_one():
     params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in [(4, 3), (3,), (0,)]]
     hp = dict(lr=0.01, betas=(0.8, 0.9), eps=1e-6, weight_decay=0.05)
     sched = dict(var_freeze_step=9, var_update_scaler=2, local_step_scaler=2, local_step_clipper=4)
-    opt = ZeroOneAdam(params, backend=SINGLE, **hp, **sched)
+    opt = ZeroOneAdam(params, backend=SINGLE, bias_correction=False, **hp, **sched)  # SPEC §4
     ref = ReferenceZeroOne(params, 0.01, (0.8, 0.9), 1e-6, 0.05, 9, 2, 2, 4)
     for _ in range(25):
         grads = [torch.randn(q.shape, generator=gen) for q in params]
@@ -139,6 +139,7 @@ def test_sync_step_by_hand():
         local_step_scaler=1,
         local_step_clipper=2,
         backend=SINGLE,
+        bias_correction=False,  # SPEC §4's numbers
     )
     grads = [2.0, 1.0, 3.0, -1.0]
     p.grad = torch.tensor([grads[0]])
@@ -177,7 +178,13 @@ def test_sync_step_by_hand():
 def test_non_finite_gradient_on_a_local_step_drops_only_this_update():
     p = torch.nn.Parameter(torch.ones(3))
     opt = ZeroOneAdam(
-        [p], lr=0.1, var_freeze_step=2, local_step_scaler=1, local_step_clipper=4, backend=SINGLE
+        [p],
+        lr=0.1,
+        var_freeze_step=2,
+        local_step_scaler=1,
+        local_step_clipper=4,
+        backend=SINGLE,
+        bias_correction=False,  # SPEC §4's numbers
     )
     for _ in range(3):  # phase A, then the phase-B entry (a sync); the interval is now 2
         p.grad = torch.ones(3)
