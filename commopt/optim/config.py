@@ -153,7 +153,7 @@ class OnebitLambConfig:
     """Lower clamp of the variance factor f."""
     factor_threshold: float = 0.1
     """τ: the most f may change relative to the previous step."""
-    trust_ratio: str = "frozen"
+    trust_ratio: str = "max"
     """``"frozen"``: SPEC §3 (c̄·f); ``"tracking"``: LAMB's clamped ‖p‖/‖u‖ every step;
     ``"max"``: the larger of the two."""
     error_feedback: str = "classic"

@@ -83,11 +83,12 @@ class OnebitLamb(CompressedOptimizer):
             memory, ``COMMOPT_SHARED_MEMORY=0`` to use TCP; docs/hierarchical.md) or
             ``"auto"`` (hierarchical when there are several nodes of several ranks and a fast
             path inside the node).
-        trust_ratio: ``"frozen"`` (default): the compression stage uses c̄·f as above, SPEC §3
-            exactly. ``"tracking"``: every compression step recomputes LAMB's own ratio
-            c_k = clip(‖p_k‖/‖u_k‖, min_coeff, max_coeff) from u = m/(√v + ε) + λp, which every
-            rank already holds after the exchange (no message; f and v_f are not used).
-            ``"max"``: max(c̄_k f_k, that c_k) per tensor (:mod:`commopt.optim.trust_ratio`).
+        trust_ratio: ``"max"`` (default): max(c̄_k·f_k, c_k) per tensor with c_k LAMB's own
+            ratio clip(‖p_k‖/‖u_k‖, min_coeff, max_coeff) of the update u = m/(√v + ε) + λp
+            that every rank already holds after the exchange (no message;
+            :mod:`commopt.optim.trust_ratio`). ``"frozen"``: c̄·f as above, SPEC §3 exactly
+            (DeepSpeed's rule). ``"tracking"``: c_k alone, recomputed every compression step
+            (f and v_f are not used).
         overlap: start each bucket's communication during backward, as soon as its last
             gradient is accumulated: the warmup's full-precision average, and in the
             compression stage the fold and the σ-scaled exchange m' ← C(m'·σ)/σ (at the first
@@ -168,7 +169,7 @@ class OnebitLamb(CompressedOptimizer):
         backend: Backend | None = None,
         *,
         topology: str = "flat",
-        trust_ratio: str = "frozen",
+        trust_ratio: str = "max",
         overlap: bool = False,
         bucket_numel: int | None = None,
         error_feedback: str = "classic",

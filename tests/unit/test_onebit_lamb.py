@@ -42,7 +42,15 @@ def groups(params: list[torch.Tensor]) -> list[dict]:
 
 
 # min/max_coeff bite: the ratios of this problem fall on both sides of [0.05, 0.3]
-KW = dict(lr=0.05, betas=BETAS, eps=1e-6, factor_threshold=0.05, min_coeff=0.05, max_coeff=0.3)
+KW = dict(
+    trust_ratio="frozen",
+    lr=0.05,
+    betas=BETAS,
+    eps=1e-6,
+    factor_threshold=0.05,
+    min_coeff=0.05,
+    max_coeff=0.3,
+)
 
 
 class ReferenceLamb:
