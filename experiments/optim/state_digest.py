@@ -8,15 +8,16 @@ rank. Run it before and after a change; the lines must be identical.
 
     python -m experiments.optim.state_digest
     python -m experiments.optim.state_digest --step-guard off   # the papers' step (no guard)
-    python -m experiments.optim.state_digest --zero-one-bias-correction off
+    python -m experiments.optim.state_digest --rules papers
 
 The default run uses the optimizers' defaults, so a change of a default changes its lines
 (``step_guard="tiny"`` did: docs/algorithms/step_guard.md; so did 0/1 Adam's
-``bias_correction=True``: docs/algorithms/zero_one_adam.md). ``--step-guard off`` is the papers'
-step: it passes ``step_guard=False`` and ZeroOneAdam ``bias_correction=False``, and must print
-the lines of the code before the guard existed. ``--zero-one-bias-correction off`` passes
-ZeroOneAdam ``bias_correction=False`` only: its line is then the default line of the code before
-the bias correction existed.
+``bias_correction=True``, docs/algorithms/zero_one_adam.md, and 1-bit LAMB's
+``trust_ratio="max"``, docs/algorithms/onebit_lamb.md). ``--rules papers`` passes the papers'
+rules where a default now goes beyond them (ZeroOneAdam ``bias_correction=False``, OnebitLamb
+``trust_ratio="frozen"``): its lines are the default lines of the code before those two
+defaults. ``--step-guard off`` is the papers' step: ``step_guard=False`` and the papers' rules,
+and must print the lines of the code before the guard existed.
 """
 
 from __future__ import annotations
@@ -106,12 +107,16 @@ def _digest(backend, name: str, options: dict) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--step-guard", choices=("default", "off"), default="default")
-    parser.add_argument("--zero-one-bias-correction", choices=("default", "off"), default="default")
+    parser.add_argument("--rules", choices=("default", "papers"), default="default")
     args = parser.parse_args(argv)
     options = {"step_guard": False} if args.step_guard == "off" else {}
-    papers = args.step_guard == "off" or args.zero_one_bias_correction == "off"
+    papers = args.step_guard == "off" or args.rules == "papers"
+    paper_rules = {
+        "ZeroOneAdam": {"bias_correction": False},
+        "OnebitLamb": {"trust_ratio": "frozen"},
+    }
     for name in _OPTIMIZERS:
-        extra = {"bias_correction": False} if name == "ZeroOneAdam" and papers else {}
+        extra = paper_rules.get(name, {}) if papers else {}
         digests = run_ranks(_digest, 4, name, {**options, **extra}, timeout=300)
         print(name, " ".join(digests))
 
