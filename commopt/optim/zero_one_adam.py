@@ -19,15 +19,15 @@ from commopt.optim.variance_bias import (
     momentum_step_size,
     variance_bias_sqrt,
     variance_steps_through,
-    variance_updates,
 )
+from commopt.optim.zero_one_schedule import ZeroOneSchedule
 from commopt.step_guard import bound_step_, guarded_denominator, guarded_elements, step_bound
 
 __all__ = ["ZeroOneAdam"]
 
 
 @document_schedule
-class ZeroOneAdam(CompressedOptimizer):
+class ZeroOneAdam(ZeroOneSchedule, CompressedOptimizer):
     r"""0/1 Adam (Lu et al., 2023): fewer variance updates, 1-bit gradients, then local steps.
 
     β1, β2 are ``betas``; η is ``lr``; λ is ``weight_decay``; T_v is ``var_freeze_step``; g is
@@ -224,24 +224,6 @@ class ZeroOneAdam(CompressedOptimizer):
                 steps = variance_steps_through(group["first_step"], self.config.var_update_scaler)
                 group["variance_offset"] = steps
 
-    def _variance_updates(self) -> int:
-        """Variance updates so far (all ranks alike, from the schedule state)."""
-        gs = getattr(self, "global_state", {})
-        if "var_interval" not in gs:  # (the constructor's groups, before the schedule exists)
-            return 0
-        return variance_updates(
-            gs["var_interval"], gs["var_counter"], self.config.var_update_scaler
-        )
-
-    # -- schedule -----------------------------------------------------------------------------
-    def _is_variance_step(self, step: int) -> bool:
-        gs = self.global_state
-        return step <= self.frozen_after() and step % gs["var_interval"] == 0
-
-    def _is_sync_step(self, step: int) -> bool:
-        gs = self.global_state
-        return step > self.frozen_after() and step % gs["local_interval"] == 0
-
     def _early_kind(self, state: FlatState, step: int) -> str | None:
         """A DDP hook may average a variance step's gradients and exchange a 1-bit step's
         local gradient at one bit (commopt.ddp); the phase-B steps (local and sync) run in
@@ -251,19 +233,6 @@ class ZeroOneAdam(CompressedOptimizer):
         if self._is_variance_step(step):
             return "average"
         return "gradient" if step <= self.frozen_after() else None
-
-    def _communicates(self, step: int) -> bool:
-        return step <= self.frozen_after() or self._is_sync_step(step)
-
-    def _advance_local(self) -> None:
-        """After every phase-B step: s += η; every local_step_scaler steps, I_l doubles."""
-        gs = self.global_state
-        lrs = list(gs["lrs"]) + [0.0] * (len(self.param_groups) - len(gs["lrs"]))
-        gs["lrs"] = [s + self._step_size(g) for s, g in zip(lrs, self.param_groups, strict=True)]
-        gs["local_counter"] += 1
-        if gs["local_counter"] == self.config.local_step_scaler:
-            gs["local_counter"] = 0
-            gs["local_interval"] = min(self.config.local_step_clipper, 2 * gs["local_interval"])
 
     # -- steps --------------------------------------------------------------------------------
     def _step(self, step: int) -> None:
@@ -294,11 +263,7 @@ class ZeroOneAdam(CompressedOptimizer):
                 update_moments_(m[sl], v[sl] if variance else None, g[sl], beta1, beta2)
             self._adam_update(state, variance)  # 3.
         if variance:
-            gs = self.global_state
-            gs["var_counter"] += 1
-            if gs["var_counter"] == self.config.var_update_scaler:
-                gs["var_counter"] = 0
-                gs["var_interval"] *= 2
+            self._advance_variance()
             if self.config.var_freeze_step == "auto":
                 self._observe(step)
 

@@ -2,8 +2,9 @@ r"""1-bit LAMB and 0/1 Adam with the automatic freeze on the convergence suite's
 
     python -m experiments.beyond.auto_others --out experiments/beyond/results
 
-OnebitLamb(freeze_step="auto") with frozen and tracking trust ratios, and
-ZeroOneAdam(var_freeze_step="auto", local_step_scaler=75); 300 steps, β2 = 0.99, the suite's
+OnebitLamb(freeze_step="auto") with its default trust ratio ("max") and the paper's ("frozen"),
+and ZeroOneAdam(var_freeze_step="auto", local_step_scaler=75) with its default bias correction
+and without (the paper's); 300 steps, β2 = 0.99, the suite's
 learning rates, 4 ranks. Writes auto_lm_others.md into ``--out``.
 """
 
@@ -33,11 +34,20 @@ def main(argv: list[str] | None = None) -> int:
         "OnebitLamb auto": lambda p, be: commopt.OnebitLamb(
             p, lr=d["lamb_lr"], betas=betas, freeze_step="auto", backend=be
         ),
-        "OnebitLamb auto tracking": lambda p, be: commopt.OnebitLamb(
-            p, lr=d["lamb_lr"], betas=betas, freeze_step="auto", trust_ratio="tracking", backend=be
+        "OnebitLamb auto frozen": lambda p, be: commopt.OnebitLamb(
+            p, lr=d["lamb_lr"], betas=betas, freeze_step="auto", trust_ratio="frozen", backend=be
         ),
         "ZeroOneAdam auto": lambda p, be: commopt.ZeroOneAdam(
             p, lr=d["lr"], betas=betas, var_freeze_step="auto", local_step_scaler=75, backend=be
+        ),
+        "ZeroOneAdam auto, no bias correction": lambda p, be: commopt.ZeroOneAdam(
+            p,
+            lr=d["lr"],
+            betas=betas,
+            var_freeze_step="auto",
+            local_step_scaler=75,
+            bias_correction=False,
+            backend=be,
         ),
     }
     result = run_variants("lm", makers, args.steps, d["eval_every"], args.ranks)
