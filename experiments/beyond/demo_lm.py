@@ -6,6 +6,8 @@ variants is ours. 4 forked gloo ranks (or the launcher's ranks under torchrun/mp
 
 from __future__ import annotations
 
+import math
+import statistics
 from collections.abc import Callable
 from typing import Any
 
@@ -15,7 +17,10 @@ from commopt.comm import resolve_backend
 from experiments.common import describe_machine, launch
 from experiments.demo import train_bytelm as demo
 
-__all__ = ["run_demo_variants"]
+__all__ = ["SMALL", "run_demo_variants", "seed_table"]
+
+#: ``--small``: a tiny model and corpus, for the smoke tests
+SMALL = dict(batch=4, hidden=16, embed=8, eval_contexts=64, max_corpus_bytes=2_000_000)
 
 
 def _ranks(variants: list[demo.Variant], cfg: demo.Config) -> dict[str, Any]:
@@ -49,3 +54,42 @@ def run_demo_variants(
         for label, make in makers.items()
     ]
     return launch(_ranks, world_size, variants, cfg, timeout=7200.0)
+
+
+def _loss(x: float) -> str:
+    return f"{x:.4f}" if math.isfinite(x) else "diverged (NaN)"
+
+
+def seed_table(
+    per_seed: dict[int, dict[str, Any]], labels: list[str], reference: str | None = None
+) -> list[str]:
+    """Markdown rows, one per label: the final validation loss per seed, the mean (NaN if a seed
+    diverged), its gap to ``reference``'s mean if given, skipped steps, MB sent per rank and
+    whether the replicas were bit-identical on every seed."""
+    seeds = list(per_seed)
+    means = {}
+    for label in labels:
+        losses = [per_seed[s][label]["val_loss"] for s in seeds]
+        means[label] = statistics.fmean(losses) if all(map(math.isfinite, losses)) else math.nan
+    gap = reference is not None
+    lines = [
+        "| variant | "
+        + " | ".join(f"val loss seed {s}" for s in seeds)
+        + " | mean"
+        + (f" | vs {reference}" if gap else "")
+        + " | steps skipped (non-finite) | MB sent/rank | replicas identical |",
+        "|---|" + "---|" * len(seeds) + "---|" + ("---|" if gap else "") + "---|---|---|",
+    ]
+    ref = means.get(reference, math.nan) if gap else math.nan
+    for label in labels:
+        rows = [per_seed[s][label] for s in seeds]
+        cells = [_loss(r["val_loss"]) for r in rows] + [_loss(means[label])]
+        if gap:
+            cells.append(f"{(means[label] / ref - 1) * 100:+.1f} %")
+        cells += [
+            str(sum(r["skipped"] for r in rows)),
+            f"{rows[0]['bytes'] / 1e6:.2f}",
+            "yes" if all(r["identical"] for r in rows) else "no",
+        ]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return lines

@@ -17,14 +17,12 @@ correction. Writes ``guard.md`` (one table per seed and a mean over seeds) into 
 from __future__ import annotations
 
 import argparse
-import math
 import pathlib
-import statistics
 import sys
 from typing import Any
 
 import commopt
-from experiments.beyond.demo_lm import run_demo_variants
+from experiments.beyond.demo_lm import SMALL, run_demo_variants, seed_table
 from experiments.demo import train_bytelm as demo
 
 OUT = pathlib.Path(__file__).parent / "results"
@@ -72,10 +70,6 @@ VARIANTS = {
 }
 
 
-def _loss(x: float) -> str:
-    return f"{x:.4f}" if math.isfinite(x) else "diverged (NaN)"
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated labels")
@@ -88,9 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     chosen = {k: VARIANTS[k] for k in args.variants.split(",") if k}
     seeds = [int(s) for s in args.seeds.split(",")]
-    extra = {}
-    if args.small:
-        extra = dict(batch=4, hidden=16, embed=8, eval_contexts=64, max_corpus_bytes=2_000_000)
+    extra = SMALL if args.small else {}
     per_seed = {}
     for seed in seeds:
         cfg = demo.Config(steps=args.steps, warmup=args.warmup, seed=seed, **extra)
@@ -102,21 +94,8 @@ def main(argv: list[str] | None = None) -> int:
         f"Machine: {first['_machine']}. Steps {args.steps}, warmup {args.warmup}, "
         f"{args.ranks} ranks, seeds {args.seeds}.",
         "",
-        "| variant | " + " | ".join(f"val loss seed {s}" for s in seeds) + " | mean "
-        "| steps skipped (non-finite) | MB sent/rank | replicas identical |",
-        "|---|" + "---|" * len(seeds) + "---|---|---|---|",
+        *seed_table(per_seed, list(chosen)),
     ]
-    for label in chosen:
-        rows = [per_seed[s][label] for s in seeds]
-        losses = [r["val_loss"] for r in rows]
-        mean = statistics.fmean(losses) if all(map(math.isfinite, losses)) else math.nan
-        lines.append(
-            f"| {label} | "
-            + " | ".join(_loss(x) for x in losses)
-            + f" | {_loss(mean)} | {sum(r['skipped'] for r in rows)} "
-            + f"| {rows[0]['bytes'] / 1e6:.2f} "
-            + f"| {'yes' if all(r['identical'] for r in rows) else 'no'} |"
-        )
     text = "\n".join(lines) + "\n"
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "guard.md").write_text(text)

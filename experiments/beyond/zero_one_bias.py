@@ -17,16 +17,14 @@ into ``--out``.
 from __future__ import annotations
 
 import argparse
-import math
 import pathlib
-import statistics
 import sys
 from typing import Any
 
 import torch
 
 import commopt
-from experiments.beyond.demo_lm import _ranks
+from experiments.beyond.demo_lm import SMALL, _ranks, seed_table
 from experiments.common import describe_machine, launch
 from experiments.demo import train_bytelm as demo
 
@@ -79,10 +77,6 @@ def _variant(label: str) -> demo.Variant:
     return demo.Variant(label, VARIANTS[label], False, lambda c: c.warmup + 1, label)
 
 
-def _loss(x: float) -> str:
-    return f"{x:.4f}" if math.isfinite(x) else "diverged (NaN)"
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated labels")
@@ -95,40 +89,21 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     labels = [k for k in args.variants.split(",") if k]
     seeds = [int(s) for s in args.seeds.split(",")]
-    extra = {}
-    if args.small:
-        extra = dict(batch=4, hidden=16, embed=8, eval_contexts=64, max_corpus_bytes=2_000_000)
+    extra = SMALL if args.small else {}
     per_seed = {}
     for seed in seeds:
         cfg = demo.Config(steps=args.steps, warmup=args.warmup, seed=seed, **extra)
         variants = [_variant(label) for label in labels]
         per_seed[seed] = launch(_ranks, args.ranks, variants, cfg, timeout=7200.0)
         print(seed, {k: v for k, v in per_seed[seed].items() if k != "_machine"}, flush=True)
-    means = {}
-    for label in labels:
-        losses = [per_seed[s][label]["val_loss"] for s in seeds]
-        means[label] = statistics.fmean(losses) if all(map(math.isfinite, losses)) else math.nan
-    adam = means.get(ADAM, math.nan)
     lines = [
         "## 0/1 Adam's bias correction on the demo byte LM",
         "",
         f"Machine: {describe_machine()}. Steps {args.steps}, {args.ranks} ranks, "
         f"seeds {args.seeds}; T_v = {args.warmup} is the demo's warmup.",
         "",
-        "| variant | " + " | ".join(f"val loss seed {s}" for s in seeds) + " | mean | vs Adam "
-        "| steps skipped | MB sent/rank | replicas identical |",
-        "|---|" + "---|" * len(seeds) + "---|---|---|---|---|",
+        *seed_table(per_seed, labels, reference=ADAM),
     ]
-    for label in labels:
-        rows = [per_seed[s][label] for s in seeds]
-        rel = (means[label] / adam - 1) * 100 if math.isfinite(adam) else math.nan
-        lines.append(
-            f"| {label} | "
-            + " | ".join(_loss(r["val_loss"]) for r in rows)
-            + f" | {_loss(means[label])} | {rel:+.1f} % | {sum(r['skipped'] for r in rows)} "
-            + f"| {rows[0]['bytes'] / 1e6:.2f} "
-            + f"| {'yes' if all(r['identical'] for r in rows) else 'no'} |"
-        )
     text = "\n".join(lines) + "\n"
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "zero_one_bias.md").write_text(text)

@@ -19,7 +19,7 @@ import sys
 
 from commopt.optim.adam_math import update_moments_
 from commopt.optim.zero_one_adam import ZeroOneAdam
-from experiments.beyond.demo_lm import _ranks
+from experiments.beyond.demo_lm import SMALL, _ranks
 from experiments.common import describe_machine, launch
 from experiments.demo import train_bytelm as demo
 
@@ -51,10 +51,7 @@ class TimeWeightedZeroOne(ZeroOneAdam):
                 update_moments_(m[sl], v[sl] if variance else None, g[sl], beta1, beta2**interval)
             self._adam_update(state, variance)
         if variance:
-            gs["var_counter"] += 1
-            if gs["var_counter"] == self.config.var_update_scaler:
-                gs["var_counter"] = 0
-                gs["var_interval"] *= 2
+            self._advance_variance()
 
     def _frozen_denominator(self, state, updated: bool = False):
         tau = self.global_state.get("tau", 0)
@@ -104,9 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         "|---|---|---|",
     ]
     for seed in (int(s) for s in args.seeds.split(",")):
-        extra = {}
-        if args.small:
-            extra = dict(batch=4, hidden=16, embed=8, eval_contexts=64, max_corpus_bytes=2_000_000)
+        extra = SMALL if args.small else {}
         cfg = demo.Config(steps=args.steps, seed=seed, **extra)
         out = launch(_ranks, args.ranks, variants, cfg, timeout=7200.0)
         lines += [f"| {v.label} | {seed} | {out[v.label]['val_loss']:.4f} |" for v in variants]
