@@ -166,7 +166,8 @@ VARIANTS: list[Variant] = [
         compression_from=lambda cfg: cfg.warmup + 1,  # phase B (phase A mixes fp32 and 1-bit)
         description="commopt.ZeroOneAdam(betas=(0.9, 1-3/warmup), var_freeze_step=warmup, "
         "local_step_scaler=steps//4): "
-        "fp32 variance steps + 1-bit gradients, then local steps with 1-bit syncs",
+        "fp32 variance steps + 1-bit gradients, then local steps with 1-bit syncs (m, v "
+        "bias-corrected)",
     ),
     Variant(
         "LAMB",
@@ -182,7 +183,7 @@ VARIANTS: list[Variant] = [
         average_gradients=False,
         compression_from=lambda cfg: cfg.warmup + 1,
         description="commopt.OnebitLamb(lr=5·lr, freeze_step=warmup): LAMB warmup, then one "
-        "fused 1-bit momentum allreduce per step with frozen trust ratios",
+        "fused 1-bit momentum allreduce per step; trust ratios max(frozen c̄·f, LAMB's ‖p‖/‖u‖)",
     ),
 ]
 
