@@ -430,3 +430,43 @@ def test_overlap_thread_error_surfaces_in_step():
         assert seen[3] == "injected on commopt-OnebitAdam"  # raised by step(), not lost
         assert seen[4] == "ok"  # the next step runs: the error was cleared
         assert idle
+
+
+def _train_mixed_dtype(backend):
+    """0/1 Adam with one bf16 layer (buckets of its own): per step, bit-identical to
+    overlap=False, and the 1-bit exchanges (all_to_all) the main thread ran."""
+    warnings.simplefilter("ignore")
+    recorder = _Recorder(backend)
+    base = _model()
+    base[2].to(torch.bfloat16)
+    models = [base, copy.deepcopy(base)]
+    opts = [
+        _make("ZeroOneAdam", models[0].parameters(), recorder, True, 100),
+        _make("ZeroOneAdam", models[1].parameters(), backend, False, 100),
+    ]
+    same, in_step = [], []
+    for step in range(1, STEPS + 1):
+        g = torch.Generator().manual_seed(1000 * step + 10 * backend.rank)
+        x, y = torch.randn(5, 6, generator=g), torch.randn(5, 3, generator=g)
+        for m, o in zip(models, opts, strict=True):
+            o.zero_grad()
+            h = m[2](m[1](m[0](x)).to(torch.bfloat16)).float()
+            torch.nn.functional.mse_loss(m[3](h), y).backward()
+            o.step()
+        main = [op for who, op, _ in recorder.log if not who.startswith("commopt-")]
+        in_step.append(main.count("all_to_all"))
+        recorder.log.clear()
+        same.append(torch.equal(_flat(models[0]).float(), _flat(models[1]).float()))
+    dtypes = [s.bucket.params[0].dtype for s in opts[0].flat_states]
+    return same, in_step, dtypes
+
+
+def test_overlap_zero_one_sync_with_a_bf16_bucket():
+    # The fp32 buckets' syncs are staged during backward; the bf16 bucket's p' needs the master
+    # weights step() swaps in, so step() stages it (its exchange on the main thread) and
+    # commits it with the others.
+    for same, in_step, dtypes in run_ranks(_train_mixed_dtype, 2, timeout=TIMEOUT):
+        assert same == [True] * STEPS, same
+        low = dtypes.count(torch.bfloat16)
+        assert 0 < low < len(dtypes)
+        assert in_step == [low if s in SYNC_STEPS else 0 for s in range(1, STEPS + 1)]
