@@ -18,7 +18,8 @@ scheduler stepped between backward and ``step()``): it drops the staged work and
 synchronously. Same bits as ``overlap=False`` either way; the fallback costs the exchange
 again. The main thread's record makes the decision the same on every rank whether the thread's
 job ran before or after such a change; every rank must change its hyperparameters alike (as
-without overlap).
+without overlap). Not detected: a value changed during backward and changed back before
+``step()`` (the thread may have read either), or a tensor hyperparameter changed in place.
 
 Memory: the staged p′ (L fp32 per bucket of L elements, the staged-gradient buffer, unused in
 phase B) on top of the staged m′ and error buffers; at the first phase-B step, a staged copy of
