@@ -290,6 +290,7 @@ class EarlyWork:
                 complete.append((state, st))
         for state, st in complete:
             if threaded:
+                st.seen = self._opt._hyperparameters()  # on the main thread, during backward
                 self._submit(state, st, functools.partial(self._exchange, state, st))
             else:
                 self._exchange(state, st)

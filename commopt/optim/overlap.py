@@ -83,7 +83,7 @@ class GradientHooks:
         kind = work.plan([p])[0]
         if kind == "average" and work.locate(p) is not None:
             work.average([p], [p.grad], last=False, threaded=True)
-        elif kind in ("momentum", "gradient"):
+        elif kind in ("momentum", "gradient", "sync"):
             work.fold([p], [p.grad], threaded=True)
 
 
@@ -156,6 +156,11 @@ class BackwardWork:
         Adam: the exchange itself; 1-bit LAMB scales by σ around it."""
         del step
         self._compress(state, m, errors)
+
+    def _hyperparameters(self) -> object:
+        """What staged work reads from ``param_groups``, taken on the main thread when a
+        bucket's job is queued (0/1 Adam's syncs: :mod:`.zero_one_sync`); None: nothing."""
+        return None
 
     def _take_exchanged_momentum(self, state: FlatState) -> bool:
         """Commit the momentum a DDP hook folded and exchanged for this bucket into

@@ -8,7 +8,8 @@ Memory, per optimizer bucket of L elements, allocated at first use and kept: a s
 (L fp32) in steps with :data:`~commopt.optim.early.AVERAGE` work; a staged momentum (L fp32) and
 staged error buffers (N + N/n fp32 for the flat exchange, N = L padded) in steps with
 :data:`~commopt.optim.early.MOMENTUM` work. So about 4 bytes per parameter in the warmup and
-(2 + 1/n)·4 bytes in the compression stage, on top of the optimizer's own m, v, e and f.
+(2 + 1/n)·4 bytes in the compression stage (0/1 Adam's staged syncs: a staged p′ too, so
+(3 + 1/n)·4 bytes, :mod:`commopt.optim.zero_one_sync`), on top of the optimizer's own m, v, e and f.
 """
 
 from __future__ import annotations
@@ -34,7 +35,9 @@ class StagedWork:
         "folded",
         "future",
         "round",
+        "seen",
         "step",
+        "sync",
         "ticket",
     )
 
@@ -52,6 +55,8 @@ class StagedWork:
         self.folded: set[int] = set()  # parameter indices whose local gradient is in the staged m
         self.exchanged = False  # the staged m has been through the compressed exchange
         self.failed = False  # ... which found non-finite values on some rank (collective)
+        self.sync: tuple | None = None  # 0/1 Adam's staged sync: (what it read, diverged)
+        self.seen: object = None  # the hyperparameters when its job was queued (overlap)
 
 
 class StagedBuffers:
@@ -62,6 +67,7 @@ class StagedBuffers:
         self._gradient: dict[int, torch.Tensor] = {}  # id(FlatState) → staged gradient
         self._momentum: dict[int, torch.Tensor] = {}  # id(FlatState) → staged m
         self._errors: dict[int, dict[str, torch.Tensor]] = {}  # id(FlatState) → staged e, f
+        self._base: dict[int, torch.Tensor] = {}  # id(FlatState) → 0/1 Adam's first p_sync
 
     def gradient(self, state: FlatState) -> torch.Tensor:
         """The bucket's staged gradient, laid out like the bucket."""
@@ -81,6 +87,13 @@ class StagedBuffers:
             bucket = state.bucket
             m = self._momentum[id(state)] = torch.empty(bucket.numel, device=bucket.device)
         return m
+
+    def sync_base(self, state: FlatState) -> torch.Tensor:
+        """0/1 Adam's staged p_sync at its first phase-B step (:mod:`.zero_one_sync`)."""
+        buf = self._base.get(id(state))
+        if buf is None:
+            buf = self._base[id(state)] = state.bucket.new_buffer()
+        return buf
 
     def errors_from(self, state: FlatState) -> dict[str, torch.Tensor]:
         """Staged copies of the bucket's committed error buffers (``state.comm``)."""
@@ -105,3 +118,4 @@ class StagedBuffers:
         self._gradient.clear()
         self._momentum.clear()
         self._errors.clear()
+        self._base.clear()

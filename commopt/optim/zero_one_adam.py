@@ -14,20 +14,20 @@ from commopt.optim.adam_math import adam_update_, momentum_from_grads_, update_m
 from commopt.optim.base import CompressedOptimizer
 from commopt.optim.config import ZeroOneAdamConfig, check_adam_arguments, document_schedule
 from commopt.optim.flat_state import FlatState
-from commopt.optim.user_warning import warn_at_caller
 from commopt.optim.variance_bias import (
     momentum_step_size,
     variance_bias_sqrt,
     variance_steps_through,
 )
 from commopt.optim.zero_one_schedule import ZeroOneSchedule
+from commopt.optim.zero_one_sync import ZeroOneSync, commit_staged_sync, warn_diverged
 from commopt.step_guard import bound_step_, guarded_denominator, guarded_elements, step_bound
 
 __all__ = ["ZeroOneAdam"]
 
 
 @document_schedule
-class ZeroOneAdam(ZeroOneSchedule, CompressedOptimizer):
+class ZeroOneAdam(ZeroOneSync, ZeroOneSchedule, CompressedOptimizer):
     r"""0/1 Adam (Lu et al., 2023): fewer variance updates, 1-bit gradients, then local steps.
 
     β1, β2 are ``betas``; η is ``lr``; λ is ``weight_decay``; T_v is ``var_freeze_step``; g is
@@ -98,14 +98,14 @@ class ZeroOneAdam(ZeroOneSchedule, CompressedOptimizer):
             memory, ``COMMOPT_SHARED_MEMORY=0`` to use TCP; docs/hierarchical.md) or
             ``"auto"`` (hierarchical when there are several nodes of several ranks and a fast
             path inside the node).
-        overlap: start phase A's communication during backward, as soon as a bucket's last
-            gradient is accumulated: a variance step's full-precision average, and a 1-bit
-            step's exchange of the local gradient (on staged error buffers); ``step()`` waits
-            and commits. Phase B's sync steps stay in ``step()``: what they exchange depends
-            on this step's local update, hence on ``lr`` and ``weight_decay`` as ``step()``
-            reads them (docs/ddp.md); local steps send nothing. Bit-identical to
-            ``overlap=False``. Default False. Needs several buckets (``bucket_numel``); the
-            conditions are :class:`OnebitAdam`'s; see docs/overlap.md.
+        overlap: start the communication during backward, as soon as a bucket's last
+            gradient is accumulated: a variance step's full-precision average, a 1-bit step's
+            exchange of the local gradient, and a sync step's local update and exchange, all
+            on staged buffers; ``step()`` waits and commits, or redoes a sync whose lr (or
+            other hyperparameter) changed after backward (:mod:`.zero_one_sync`). Local steps
+            send nothing. Bit-identical to ``overlap=False``. Default False. Needs several
+            buckets (``bucket_numel``); the conditions are :class:`OnebitAdam`'s; see
+            docs/overlap.md.
         bucket_numel: the most elements one flat bucket holds (default 2**25; a larger tensor
             gets a bucket of its own). Results depend on the layout (one scale per bucket).
 
@@ -224,16 +224,6 @@ class ZeroOneAdam(ZeroOneSchedule, CompressedOptimizer):
                 steps = variance_steps_through(group["first_step"], self.config.var_update_scaler)
                 group["variance_offset"] = steps
 
-    def _early_kind(self, state: FlatState, step: int) -> str | None:
-        """A DDP hook may average a variance step's gradients and exchange a 1-bit step's
-        local gradient at one bit (commopt.ddp); the phase-B steps (local and sync) run in
-        ``step()``: a sync step exchanges the parameters after this step's local update,
-        which needs lr and weight decay as ``step()`` reads them (docs/ddp.md)."""
-        del state
-        if self._is_variance_step(step):
-            return "average"
-        return "gradient" if step <= self.frozen_after() else None
-
     # -- steps --------------------------------------------------------------------------------
     def _step(self, step: int) -> None:
         if step <= self.frozen_after():
@@ -289,6 +279,10 @@ class ZeroOneAdam(ZeroOneSchedule, CompressedOptimizer):
     def _phase_b_step(self, step: int) -> None:
         gs = self.global_state
         sync = self._is_sync_step(step)  # before _advance_local may double the interval
+        if sync and commit_staged_sync(self, step):  # overlap: staged during backward
+            self._advance_local()
+            gs["lrs"] = [0.0] * len(self.param_groups)
+            return
         if not gs["local_started"]:  # entry: errors now compensate accumulators, not gradients
             for state in self.flat_states:
                 state.reset_comm()
@@ -347,10 +341,7 @@ class ZeroOneAdam(ZeroOneSchedule, CompressedOptimizer):
             state.gather_params(p_sync)  # p as stored (bf16 parameters round)
         if diverged:
             self.global_state["skipped_steps"] += 1
-            warn_at_caller(
-                "ZeroOneAdam: non-finite parameters at a sync step on at least one rank; every "
-                "rank returns to the last synced parameters there (p = p_sync, m = 0)"
-            )
+            warn_diverged()
 
     def _frozen_denominator(self, state: FlatState, updated: bool = False) -> torch.Tensor:
         """√v̂ + ε, read-only, kept while v does not change: v̂ = v/(1 − β2^k) with
@@ -363,9 +354,9 @@ class ZeroOneAdam(ZeroOneSchedule, CompressedOptimizer):
         ]
         return state.denominator(bias_sqrt, self._eps(state))
 
-    def _step_size(self, group: dict[str, Any]) -> float:
+    def _step_size(self, group: dict[str, Any], step: int | None = None) -> float:
         """η/(1 − β1^t) with ``bias_correction`` (t: steps since the group joined), else η."""
-        t = self.global_state["step"] - group["first_step"]
+        t = (self.global_state["step"] if step is None else step) - group["first_step"]
         return momentum_step_size(group["lr"], group["betas"][0], t, group["bias_correction"])
 
     def _bound(self, group: dict[str, Any]) -> float:
@@ -375,13 +366,15 @@ class ZeroOneAdam(ZeroOneSchedule, CompressedOptimizer):
     def _eps(self, state: FlatState) -> list[float]:
         return [group["eps"] for _, group in self.segments(state)]
 
-    def _adam_update(self, state: FlatState, updated: bool = False) -> None:
+    def _adam_update(
+        self, state: FlatState, updated: bool = False, m=None, target=None, step=None
+    ) -> None:
         """p ← p − η·(m/(√v̂ + ε) + λ·p), group by group, one ``addcdiv`` each (``updated``:
-        v had its update of this step)."""
+        v had its update of this step; a staged sync: staged ``m``, p′ in ``target``)."""
         d = self._frozen_denominator(state, updated)
-        m = state.flat["exp_avg"]
+        m = state.flat["exp_avg"] if m is None else m
         for seg, group in self.segments(state):
-            lr, step_size = group["lr"], self._step_size(group)
+            lr, step_size = group["lr"], self._step_size(group, step)
             where = guarded_elements(self.config.step_guard, state, seg)
             d_seg = d
             if where is not None:  # |m̂/d| ≤ B there; every other element keeps its bits
@@ -391,6 +384,6 @@ class ZeroOneAdam(ZeroOneSchedule, CompressedOptimizer):
                 if step_size != lr:  # (off: B itself, bit for bit)
                     bound *= lr / step_size
                 guarded_denominator(d_seg[sl], m[sl], d[sl], bound, where)
-            adam_update_(
-                seg.params, seg.views(m), seg.views(d_seg), lr, group["weight_decay"], step_size
-            )
+            params = seg.params if target is None else seg.views(target)
+            wd = group["weight_decay"]
+            adam_update_(params, seg.views(m), seg.views(d_seg), lr, wd, step_size)

@@ -4,9 +4,9 @@ Each rank trains two copies of a model on the same batches, one with overlap on 
 off, and compares parameters after every step (every phase) and all state at the end, for each
 optimizer: 1-bit Adam (warmup 1-3, compression 4-8), 1-bit LAMB (warmup 1-3, σ frozen at 4,
 compression 4-8) and 0/1 Adam (variance steps 1, 2, 4 and 1-bit steps 3, 5 during backward;
-phase B in step(): sync 6, local 7, sync 8). The collectives of the overlapped copy are recorded
-with the thread that issued them: during backward they run on the optimizer's communication
-thread, in the exchange order.
+phase B: sync 6, local 7, sync 8, the syncs staged during backward too). The collectives of the
+overlapped copy are recorded with the thread that issued them: during backward they run on the
+optimizer's communication thread, in the exchange order.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ TIMEOUT = 240
 FREEZE = 3
 STEPS = 8
 NAMES = ["OnebitAdam", "OnebitLamb", "ZeroOneAdam"]
-#: 0/1 Adam's steps that exchange in step() (phase B's syncs), whatever overlap is
+#: 0/1 Adam's phase-B sync steps (with overlap on, staged during backward too)
 SYNC_STEPS = (6, 8)
 
 
@@ -38,9 +38,10 @@ def _make(name: str, params, backend, overlap: bool, bucket_numel: int | None, *
 
 
 def _compressed_in_step(name: str, buckets: int) -> list[int]:
-    """The compressed exchanges step() itself runs with overlap on, per step."""
-    syncs = SYNC_STEPS if name == "ZeroOneAdam" else ()
-    return [buckets if s in syncs else 0 for s in range(1, STEPS + 1)]
+    """The compressed exchanges step() itself runs with overlap on, per step: none (0/1
+    Adam's syncs are staged during backward too)."""
+    del name, buckets
+    return [0] * STEPS
 
 
 def _model() -> torch.nn.Module:
@@ -96,8 +97,12 @@ def _train(
 ):
     """``sync_every_pass``: accumulate ``micro`` passes without ``no_sync()`` (each pass
     communicates again; the last one wins). ``record``: log the overlapped copy's collectives.
-    ``extra``: more constructor arguments for both copies (``trust_ratio``, ``error_feedback``)."""
+    ``extra``: more constructor arguments for both copies (``trust_ratio``, ``error_feedback``);
+    its ``"change_at"``: (step, key, value) set in every param group of both copies between
+    that step's backward and its step()."""
     warnings.simplefilter("ignore")
+    extra = dict(extra or {})
+    change = extra.pop("change_at", (0, None, None))
     recorder = _Recorder(backend) if record else None
     base = _model()
     models = [base, copy.deepcopy(base)]
@@ -108,7 +113,7 @@ def _train(
             recorder if (on and recorder is not None) else backend,
             on,
             opt_bucket,
-            **(extra or {}),
+            **extra,
         )
         for m, on in zip(models, (True, False), strict=True)
     ]
@@ -129,6 +134,9 @@ def _train(
                         calls_in_no_sync.append((backend.stats - before).calls)
                 else:
                     torch.nn.functional.mse_loss(model(x), y).div(micro).backward()
+            if step == change[0]:
+                for group in opt.param_groups:
+                    group[change[1]] = change[2]
             if opt._overlap:
                 saved = (_flat(model).clone(), _state(opt))
                 stats = opt.comm_stats()
@@ -194,6 +202,7 @@ def test_overlap_equals_no_overlap_every_step(opt_bucket, world_size, name):
         ("OnebitLamb", {"trust_ratio": "tracking"}),
         ("OnebitLamb", {"trust_ratio": "max"}),
         ("ZeroOneAdam", {"error_feedback": "econtrol"}),
+        ("ZeroOneAdam", {"bias_correction": False}),
     ],
     ids=[
         "OnebitAdam-econtrol",
@@ -201,6 +210,7 @@ def test_overlap_equals_no_overlap_every_step(opt_bucket, world_size, name):
         "OnebitLamb-tracking",
         "OnebitLamb-max",
         "ZeroOneAdam-econtrol",
+        "ZeroOneAdam-uncorrected",
     ],
 )
 def test_overlap_with_options_equals_no_overlap(name, extra):
@@ -208,6 +218,25 @@ def test_overlap_with_options_equals_no_overlap(name, extra):
     # what step() does after the exchange.
     results = run_ranks(_train, 2, 100, 1, 0, False, False, name, extra, timeout=TIMEOUT)
     _check_equal(results, name)
+
+
+@pytest.mark.parametrize(
+    ("step", "key", "value"),
+    [(6, "lr", 0.01), (8, "lr", 0.03), (8, "weight_decay", 0.0), (8, "betas", (0.8, 0.99))],
+    ids=["first-sync-lr", "sync-lr", "sync-weight-decay", "sync-betas"],
+)
+def test_overlap_zero_one_sync_with_hyperparameters_changed_after_backward(step, key, value):
+    # The sync was staged during backward with the old value: step() sees the change, drops the
+    # staged work and syncs again (its compressed exchanges); unchanged, nothing is redone.
+    change = {"change_at": (step, key, value)}
+    results = run_ranks(_train, 2, 100, 1, 0, False, False, "ZeroOneAdam", change, timeout=TIMEOUT)
+    for r in results:
+        assert r["same"] == [True] * STEPS, r["same"]
+        assert r["states_equal"]
+        assert torch.equal(r["replicas"][0], r["replicas"][1])
+        expected = [0] * STEPS
+        expected[step - 1] = len(r["buckets"])
+        assert r["compressed_in_step"] == expected
 
 
 def _train_two_nodes(backend, name: str):
@@ -249,6 +278,7 @@ def test_overlap_no_sync_accumulation(name):
         ("ZeroOneAdam", 2),
         ("ZeroOneAdam", 3),
         ("ZeroOneAdam", 6),
+        ("ZeroOneAdam", 8),
     ],
     ids=[
         "OnebitAdam-warmup",
@@ -258,6 +288,7 @@ def test_overlap_no_sync_accumulation(name):
         "OnebitLamb-compression",
         "ZeroOneAdam-variance",
         "ZeroOneAdam-1bit",
+        "ZeroOneAdam-first-sync",
         "ZeroOneAdam-sync",
     ],
 )
@@ -283,7 +314,7 @@ def test_overlap_second_synced_backward_equals_no_overlap(name):
 
 #: per optimizer: (full-precision steps, 1-bit steps during backward, syncs in step())
 _PHASES = {"OnebitAdam": (FREEZE, STEPS - FREEZE, 0), "OnebitLamb": (FREEZE, STEPS - FREEZE, 0)}
-_PHASES["ZeroOneAdam"] = (3, 2, len(SYNC_STEPS))  # variance 1, 2, 4; 1-bit 3, 5; syncs 6, 8
+_PHASES["ZeroOneAdam"] = (3, 2 + len(SYNC_STEPS), 0)  # variance 1, 2, 4; 1-bit 3, 5; syncs 6, 8
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -348,10 +379,11 @@ def _resume(backend, name: str, split: int):
 
 
 @pytest.mark.parametrize("name", NAMES)
-@pytest.mark.parametrize("split", [3, 4])
+@pytest.mark.parametrize("split", [3, 4, 6])
 def test_overlap_resume_from_state_dict_equals_no_overlap(split, name):
     # 3: 1-bit Adam resumes into its first compression step, 1-bit LAMB freezes σ during the
-    # first backward after the load; 4: the error buffers come from the checkpoint.
+    # first backward after the load; 4: the error buffers come from the checkpoint; 6: 0/1
+    # Adam resumes after its first sync (p_sync, s from the checkpoint) into a staged one.
     for same, compressed in run_ranks(_resume, 2, name, split, timeout=TIMEOUT):
         assert same == [True] * STEPS, same
         assert compressed > 0  # the resumed optimizer did exchange at one bit
@@ -398,3 +430,43 @@ def test_overlap_thread_error_surfaces_in_step():
         assert seen[3] == "injected on commopt-OnebitAdam"  # raised by step(), not lost
         assert seen[4] == "ok"  # the next step runs: the error was cleared
         assert idle
+
+
+def _train_mixed_dtype(backend):
+    """0/1 Adam with one bf16 layer (buckets of its own): per step, bit-identical to
+    overlap=False, and the 1-bit exchanges (all_to_all) the main thread ran."""
+    warnings.simplefilter("ignore")
+    recorder = _Recorder(backend)
+    base = _model()
+    base[2].to(torch.bfloat16)
+    models = [base, copy.deepcopy(base)]
+    opts = [
+        _make("ZeroOneAdam", models[0].parameters(), recorder, True, 100),
+        _make("ZeroOneAdam", models[1].parameters(), backend, False, 100),
+    ]
+    same, in_step = [], []
+    for step in range(1, STEPS + 1):
+        g = torch.Generator().manual_seed(1000 * step + 10 * backend.rank)
+        x, y = torch.randn(5, 6, generator=g), torch.randn(5, 3, generator=g)
+        for m, o in zip(models, opts, strict=True):
+            o.zero_grad()
+            h = m[2](m[1](m[0](x)).to(torch.bfloat16)).float()
+            torch.nn.functional.mse_loss(m[3](h), y).backward()
+            o.step()
+        main = [op for who, op, _ in recorder.log if not who.startswith("commopt-")]
+        in_step.append(main.count("all_to_all"))
+        recorder.log.clear()
+        same.append(torch.equal(_flat(models[0]).float(), _flat(models[1]).float()))
+    dtypes = [s.bucket.params[0].dtype for s in opts[0].flat_states]
+    return same, in_step, dtypes
+
+
+def test_overlap_zero_one_sync_with_a_bf16_bucket():
+    # The fp32 buckets' syncs are staged during backward; the bf16 bucket's p' needs the master
+    # weights step() swaps in, so step() stages it (its exchange on the main thread) and
+    # commits it with the others.
+    for same, in_step, dtypes in run_ranks(_train_mixed_dtype, 2, timeout=TIMEOUT):
+        assert same == [True] * STEPS, same
+        low = dtypes.count(torch.bfloat16)
+        assert 0 < low < len(dtypes)
+        assert in_step == [low if s in SYNC_STEPS else 0 for s in range(1, STEPS + 1)]

@@ -5,7 +5,8 @@ the same time (``step()`` drains the thread first), so MPI_THREAD_SERIALIZED wou
 Same checks as the gloo tests, for 1-bit Adam, 1-bit LAMB and 0/1 Adam: bit-identical to
 overlap=False after every step in every phase, identical replicas, a second synced backward
 pass, no_sync sends nothing, a non-finite gradient on one rank skips the step everywhere with
-nothing touched, and a resume from ``state_dict`` with overlap on.
+nothing touched, and a resume from ``state_dict`` with overlap on; 0/1 Adam's syncs staged during
+backward (a non-finite gradient at one, lr changed before ``step()`` at another).
 """
 
 from __future__ import annotations
@@ -53,3 +54,24 @@ def test_overlap_with_mpi_backend_equals_no_overlap(mpi_backend, allgather, name
         assert resumed == [True] * STEPS, resumed
     logs = [e[0]["log"] for e in everyone]
     assert all(log == logs[0] for log in logs)  # the same collectives in the same order
+
+
+def test_overlap_zero_one_sync_with_mpi_backend(mpi_backend, allgather):
+    # 0/1 Adam's syncs, staged during backward: a non-finite gradient at one (skipped, nothing
+    # touched), lr changed between backward and step() at another (synced again in step()).
+    name = "ZeroOneAdam"
+    mine = (
+        _train(mpi_backend, 100, 1, 8, False, False, name),
+        _train(mpi_backend, 100, 1, 0, False, False, name, {"change_at": (6, "lr", 0.01)}),
+    )
+    for bad, changed in allgather(mine):
+        for r in (bad, changed):
+            assert r["same"] == [True] * STEPS, r["same"]
+            assert r["states_equal"]
+        assert bad["untouched"] is True
+        assert bad["skipped"] == [1, 1]
+        assert bad["compressed_in_step"] == [0] * STEPS
+        for replica in changed["replicas"][1:]:
+            assert torch.equal(changed["replicas"][0], replica)
+        buckets = len(changed["buckets"])
+        assert changed["compressed_in_step"] == [0] * 5 + [buckets] + [0] * (STEPS - 6)
