@@ -20,8 +20,13 @@ from commopt.optim.variance_bias import (
     variance_steps_through,
 )
 from commopt.optim.zero_one_schedule import ZeroOneSchedule
-from commopt.optim.zero_one_sync import ZeroOneSync, commit_staged_sync, warn_diverged
-from commopt.step_guard import bound_step_, guarded_denominator, guarded_elements, step_bound
+from commopt.optim.zero_one_sync import (
+    ZeroOneSync,
+    commit_staged_sync,
+    sync_bucket_,
+    warn_diverged,
+)
+from commopt.step_guard import guarded_denominator, guarded_elements, step_bound
 
 __all__ = ["ZeroOneAdam"]
 
@@ -314,29 +319,13 @@ class ZeroOneAdam(ZeroOneSync, ZeroOneSchedule, CompressedOptimizer):
         for state in self.flat_states:
             m, p_sync = state.flat["exp_avg"], state.buffer("p_sync")
             acc = state.gather_params(state.scratch("grad")).sub_(p_sync)
-            acc.mul_(self._frozen_denominator(state))
             try:
-                self._compress(state, acc)
+                sync_bucket_(self, state, acc, m, p_sync, self.global_state["lrs"])
             except NonFiniteError:
                 state.set_params(p_sync)
                 m.zero_()
                 diverged = True
                 continue
-            self._mask(state, acc)
-            for seg in state.bucket.segments:
-                lrs = self.global_state["lrs"][seg.group]
-                if lrs > 0:
-                    torch.div(acc[seg.slice], -lrs, out=m[seg.slice])
-                else:  # η was 0 since the last sync: nothing moved, no momentum to recover
-                    m[seg.slice].zero_()
-            acc.div_(self._frozen_denominator(state))
-            for seg, group in self.segments(state):  # s lr-weighted steps of at most B each
-                where = guarded_elements(self.config.step_guard, state, seg)
-                lrs = self.global_state["lrs"][seg.group]
-                bound = self._bound(group) * lrs
-                if where is not None and lrs > 0 and math.isfinite(bound):
-                    bound_step_(acc[seg.slice], bound, where)
-            acc.add_(p_sync)
             state.set_params(acc)
             state.gather_params(p_sync)  # p as stored (bf16 parameters round)
         if diverged:

@@ -41,7 +41,7 @@ from commopt.step_guard import bound_step_, guarded_elements
 if TYPE_CHECKING:
     from commopt.optim.flat_state import FlatState
 
-__all__ = ["SYNC", "ZeroOneSync", "commit_staged_sync", "warn_diverged"]
+__all__ = ["SYNC", "ZeroOneSync", "commit_staged_sync", "sync_bucket_", "warn_diverged"]
 
 #: the step is a phase-B sync: fold the gradient, stage the local update and the sync
 SYNC = "sync"
@@ -109,6 +109,37 @@ class ZeroOneSync:
             _stage_sync(self, state, m, errors, step)
 
 
+def sync_bucket_(
+    opt: Any,
+    state: FlatState,
+    acc: torch.Tensor,
+    m: torch.Tensor,
+    p_sync: torch.Tensor,
+    lrs: list[float],
+    errors: dict[str, torch.Tensor] | None = None,
+) -> None:
+    """One bucket's sync, in ``step()`` and staged alike: ``acc`` = p′ − p_sync on entry;
+    a = C(acc⊙(√v̂ + ε)) ⊙ mask (``errors``: the error buffers to use, default the committed
+    ones); m ← −a/s per group (0 where s = 0); acc ← p_sync + a/(√v̂ + ε), each element's move
+    bounded by s·B where the step guard applies. Raises NonFiniteError (every rank alike, no
+    error buffer changed) if acc is non-finite on any rank."""
+    acc.mul_(opt._frozen_denominator(state))
+    opt._compress(state, acc, errors)
+    opt._mask(state, acc)
+    for seg in state.bucket.segments:
+        if lrs[seg.group] > 0:
+            torch.div(acc[seg.slice], -lrs[seg.group], out=m[seg.slice])
+        else:  # η was 0 since the last sync: nothing moved, no momentum to recover
+            m[seg.slice].zero_()
+    acc.div_(opt._frozen_denominator(state))
+    for seg, group in opt.segments(state):  # s lr-weighted steps of at most B each
+        where = guarded_elements(opt.config.step_guard, state, seg)
+        bound = opt._bound(group) * lrs[seg.group]
+        if where is not None and lrs[seg.group] > 0 and math.isfinite(bound):
+            bound_step_(acc[seg.slice], bound, where)
+    acc.add_(p_sync)
+
+
 @torch.no_grad()  # (grad mode is per thread: the communication thread's too)
 def _stage_sync(
     opt: Any, state: FlatState, m: torch.Tensor, errors: dict[str, torch.Tensor], step: int
@@ -134,25 +165,11 @@ def _stage_sync(
     lrs = list(gs["lrs"]) if not entry else []
     lrs += [0.0] * (len(opt.param_groups) - len(lrs))
     lrs = [s + opt._step_size(g, step) for s, g in zip(lrs, opt.param_groups, strict=True)]
-    acc = p.sub_(p_sync).mul_(opt._frozen_denominator(state))
     try:
-        opt._compress(state, acc, errors)
+        sync_bucket_(opt, state, p.sub_(p_sync), m, p_sync, lrs, errors)
     except NonFiniteError:  # on every rank alike: step() returns this bucket to p_sync
         st.sync = (snapshot, True)
         return
-    opt._mask(state, acc)
-    for seg in state.bucket.segments:
-        if lrs[seg.group] > 0:
-            torch.div(acc[seg.slice], -lrs[seg.group], out=m[seg.slice])
-        else:
-            m[seg.slice].zero_()
-    acc.div_(opt._frozen_denominator(state))
-    for seg, group in opt.segments(state):
-        where = guarded_elements(opt.config.step_guard, state, seg)
-        bound = opt._bound(group) * lrs[seg.group]
-        if where is not None and lrs[seg.group] > 0 and math.isfinite(bound):
-            bound_step_(acc[seg.slice], bound, where)
-    acc.add_(p_sync)
     st.sync = (snapshot, False)
 
 
