@@ -114,6 +114,28 @@ _SPREAD = np.uint64(0x0102040810204080)
 
 
 @_jit
+def _pack_signs(cb, flags, flags64, bb):  # pragma: no cover - compiled
+    """bb = pack(cb ≥ 0), MSB first (±0 count as ≥ 0): 8 flags per byte through a uint64
+    multiply; ``flags`` is the caller's L1 scratch, ``flags64`` its uint64 view."""
+    zero = np.float32(0.0)
+    fb = flags[: cb.size]
+    for i in range(cb.size):
+        fb[i] = np.uint8(1) if cb[i] >= zero else np.uint8(0)
+    f64 = flags64[: bb.size]
+    for k in range(bb.size):
+        bb[k] = np.uint8((f64[k] * _PACK) >> np.uint64(56))
+
+
+@_jit
+def _compensate(cb, plus, minus, out):  # pragma: no cover - compiled
+    """out = cb − (+s if cb ≥ 0 else −s), with ±s as formed by the caller (may be cb itself)."""
+    zero = np.float32(0.0)
+    for i in range(cb.size):
+        v = cb[i]
+        out[i] = v - (plus if v >= zero else minus)
+
+
+@_jit
 def pack_update(c, s, e, bits, in_place):  # pragma: no cover - compiled
     """bits = pack(c ≥ 0), MSB first; e ← c − (2s·[c ≥ 0] − s).
 
@@ -124,29 +146,14 @@ def pack_update(c, s, e, bits, in_place):  # pragma: no cover - compiled
     two_s = np.float32(2.0) * s
     plus = two_s - s
     minus = np.float32(0.0) - s
-    zero = np.float32(0.0)
     flags = np.empty(BLOCK, dtype=np.uint8)
     flags64 = flags.view(np.uint64)
     n_bytes = bits.size
     for b0 in range(0, n_bytes, BLOCK // 8):
         b1 = min(n_bytes, b0 + BLOCK // 8)
         cb = c[8 * b0 : 8 * b1]
-        fb = flags[: cb.size]
-        for i in range(cb.size):
-            fb[i] = np.uint8(1) if cb[i] >= zero else np.uint8(0)  # ±0 count as ≥ 0
-        f64 = flags64[: b1 - b0]
-        bb = bits[b0:b1]
-        for k in range(bb.size):
-            bb[k] = np.uint8((f64[k] * _PACK) >> np.uint64(56))
-        if in_place:
-            for i in range(cb.size):
-                v = cb[i]
-                cb[i] = v - (plus if v >= zero else minus)
-        else:
-            eb = e[8 * b0 : 8 * b1]
-            for i in range(cb.size):
-                v = cb[i]
-                eb[i] = v - (plus if v >= zero else minus)
+        _pack_signs(cb, flags, flags64, bits[b0:b1])
+        _compensate(cb, plus, minus, cb if in_place else e[8 * b0 : 8 * b1])
 
 
 @_jit
@@ -160,7 +167,6 @@ def pack_compensated(x, s, e, bits):  # pragma: no cover - compiled
     two_s = np.float32(2.0) * s
     plus = two_s - s
     minus = np.float32(0.0) - s
-    zero = np.float32(0.0)
     c = np.empty(BLOCK, dtype=np.float32)
     flags = np.empty(BLOCK, dtype=np.uint8)
     flags64 = flags.view(np.uint64)
@@ -181,16 +187,8 @@ def pack_compensated(x, s, e, bits):  # pragma: no cover - compiled
                 cb[i] = x[lo + i] + eb[i]
             for i in range(n_x, eb.size):
                 cb[i] = eb[i]
-        fb = flags[: cb.size]
-        for i in range(cb.size):
-            fb[i] = np.uint8(1) if cb[i] >= zero else np.uint8(0)  # ±0 count as ≥ 0
-        f64 = flags64[: b1 - b0]
-        bb = bits[b0:b1]
-        for k in range(bb.size):
-            bb[k] = np.uint8((f64[k] * _PACK) >> np.uint64(56))
-        for i in range(cb.size):
-            v = cb[i]
-            eb[i] = v - (plus if v >= zero else minus)
+        _pack_signs(cb, flags, flags64, bits[b0:b1])
+        _compensate(cb, plus, minus, eb)
 
 
 @_jit
