@@ -39,6 +39,7 @@ from commopt.deepspeed_keys import (
     SPECS,
     checked,
 )
+from commopt.freeze import auto_settings
 
 __all__ = [
     "DeepSpeedConfigWarning",
@@ -279,6 +280,13 @@ def to_deepspeed_config(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
             value = getattr(optimizer, key)
         else:
             continue
+        if auto_settings(value) is not None:  # DeepSpeed has no automatic freeze
+            decided = optimizer.global_state.get("auto_freeze_step")
+            chosen = "" if decided is None else f" (the step it chose: {decided})"
+            raise ValueError(
+                f"to_deepspeed_config: {key}={value!r} is an automatic freeze, which DeepSpeed "
+                f"does not have; construct the optimizer with an int {key}{chosen}"
+            )
         if key in FREEZE_SHIFTED:
             value = value + 1  # DeepSpeed also counts its initialising step
         params[key] = list(value) if key == "betas" else value

@@ -32,7 +32,15 @@ import math
 from collections import deque
 from typing import Any
 
-__all__ = ["AutoFreeze", "FreezePoint", "VarianceLevel", "settled_step", "variance_level"]
+__all__ = [
+    "AutoFreeze",
+    "AutoFreezeSettings",
+    "FreezePoint",
+    "VarianceLevel",
+    "auto_settings",
+    "settled_step",
+    "variance_level",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -97,8 +105,10 @@ def variance_level(variances: list[Any], bias_correction: float = 1.0) -> Varian
     return VarianceLevel(total, count)
 
 
-class AutoFreeze:
-    r"""Decides the freeze step from the variance level observed after each warmup step.
+@dataclasses.dataclass(frozen=True)
+class AutoFreezeSettings:
+    """The constants of :class:`AutoFreeze`; pass one as ``freeze_step`` (``var_freeze_step``)
+    to choose them. ``"auto"`` means ``AutoFreezeSettings()``.
 
     Args:
         min_step: never freeze before this step (default 40: the window then holds at least
@@ -108,6 +118,48 @@ class AutoFreeze:
         fraction: f, the window is the observations of the last ⌊f·t⌋ steps (default 1/2).
         threshold: τ, the largest range R_t = max − min of the log-level x over the window
             that counts as settled (default 0.05).
+    """
+
+    min_step: int = 40
+    max_step: int = 100_000
+    fraction: float = 0.5
+    threshold: float = 0.05
+
+    def __post_init__(self) -> None:
+        for name in ("min_step", "max_step"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"Invalid {name}: {value!r} (must be an int)")
+        if self.min_step < 1:
+            raise ValueError(f"Invalid min_step: {self.min_step} (must be >= 1)")
+        if self.max_step < self.min_step:
+            raise ValueError(
+                f"Invalid max_step: {self.max_step} (must be >= min_step = {self.min_step})"
+            )
+        for name in ("fraction", "threshold"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"Invalid {name}: {value!r} (must be a float)")
+            if not 0.0 < value < 1.0:
+                raise ValueError(f"Invalid {name}: {value} (must be in (0, 1))")
+            object.__setattr__(self, name, float(value))  # saved and compared as floats
+
+
+def auto_settings(value: object) -> AutoFreezeSettings | None:
+    """The automatic freeze's settings for a ``freeze_step`` value: ``"auto"`` → the defaults,
+    an :class:`AutoFreezeSettings` → itself, anything else (a fixed step) → None."""
+    if isinstance(value, AutoFreezeSettings):
+        return value
+    if isinstance(value, str) and value == "auto":
+        return AutoFreezeSettings()
+    return None
+
+
+class AutoFreeze:
+    r"""Decides the freeze step from the variance level observed after each warmup step.
+
+    Args: ``min_step``, ``max_step``, ``fraction``, ``threshold``, as in
+    :class:`AutoFreezeSettings` (validated there; :attr:`settings` holds them).
 
     Use: call :meth:`observe` once per step that updated v (in order) with that step's
     :class:`VarianceLevel` (a float ℓ > 0 is taken as one tensor of level ℓ); it returns True
@@ -124,23 +176,7 @@ class AutoFreeze:
         fraction: float = 0.5,
         threshold: float = 0.05,
     ) -> None:
-        for name, value in (("min_step", min_step), ("max_step", max_step)):
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"Invalid {name}: {value!r} (must be an int)")
-        if min_step < 1:
-            raise ValueError(f"Invalid min_step: {min_step} (must be >= 1)")
-        if max_step < min_step:
-            raise ValueError(f"Invalid max_step: {max_step} (must be >= min_step = {min_step})")
-        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)):
-            raise TypeError(f"Invalid fraction: {fraction!r} (must be a float)")
-        if not 0.0 < fraction < 1.0:
-            raise ValueError(f"Invalid fraction: {fraction} (must be in (0, 1))")
-        if not 0.0 < threshold < 1.0:
-            raise ValueError(f"Invalid threshold: {threshold} (must be in (0, 1))")
-        self.min_step = min_step
-        self.max_step = max_step
-        self.fraction = float(fraction)
-        self.threshold = float(threshold)
+        self._settings = AutoFreezeSettings(min_step, max_step, fraction, threshold)
         self.frozen_at: int | None = None
         self.last_change: float | None = None  # R of the last observation (diagnostic)
         self._first_step: int | None = None  # the first observation with a level
@@ -150,10 +186,26 @@ class AutoFreeze:
         self._highs: deque[tuple[int, float]] = deque()
         self._lows: deque[tuple[int, float]] = deque()
 
+    @classmethod
+    def from_settings(cls, settings: AutoFreezeSettings) -> AutoFreeze:
+        """A rule with these (already validated) settings."""
+        return cls(**dataclasses.asdict(settings))
+
+    @property
+    def settings(self) -> AutoFreezeSettings:
+        """min_step, max_step, fraction and threshold as one frozen value."""
+        return self._settings
+
+    min_step = property(lambda self: self._settings.min_step, doc="Never freeze before.")
+    max_step = property(lambda self: self._settings.max_step, doc="Freeze here at the latest.")
+    fraction = property(lambda self: self._settings.fraction, doc="f: the window's fraction.")
+    threshold = property(lambda self: self._settings.threshold, doc="τ: the settled range.")
+
     def raise_min_step(self, step: int) -> None:
         """min_step ← max(min_step, step), capped at max_step (for algorithms whose v must also
         grow to its level first, see :func:`settled_step`)."""
-        self.min_step = min(self.max_step, max(self.min_step, step))
+        min_step = min(self.max_step, max(self.min_step, step))
+        self._settings = dataclasses.replace(self._settings, min_step=min_step)
 
     def window_start(self, step: int) -> int:
         """The first step of the window at step t: t − ⌊f·t⌋."""
@@ -229,21 +281,27 @@ class AutoFreeze:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a :meth:`state_dict`; the settings must match this object's.
+        """Restore a :meth:`state_dict`, continuing under this object's settings.
 
-        A state of the first rule (no ``"rule"`` key: a window of levels Σ_k mean √v̂_k) loads
-        when it has decided (the decision is all that is used after it); undecided, it cannot
-        continue under this rule and is refused.
+        A decided state keeps its decision whatever the settings. An undecided one continues
+        its observations under this object's min_step, max_step and threshold (they judge the
+        same history); its window was trimmed for the saved fraction, so a larger fraction is
+        refused (a smaller one needs only what was kept). A state of the first rule (no
+        ``"rule"`` key: a window of levels Σ_k mean √v̂_k) loads when it has decided;
+        undecided, it cannot continue under this rule and is refused.
         """
+        undecided = state.get("frozen_at") is None
+        how = (
+            "fix the freeze step: construct the optimizer with an int freeze_step "
+            "(var_freeze_step for ZeroOneAdam) and load with allow_config_change=True"
+        )
         if "rule" not in state:
-            if state.get("frozen_at") is None:
+            if undecided:
                 raise ValueError(
                     "AutoFreeze.load_state_dict: this state was saved by the previous automatic "
                     f"freeze rule before it decided (last observed step {state.get('last_step')}"
                     "), and the current rule cannot continue its history. Resume with the "
-                    "commopt version that saved it, or fix the freeze step: construct the "
-                    "optimizer with an int freeze_step (var_freeze_step for ZeroOneAdam) and "
-                    "load with allow_config_change=True."
+                    f"commopt version that saved it, or {how}."
                 )
             self.frozen_at = state["frozen_at"]
             self._last_step = state["last_step"]
@@ -254,12 +312,13 @@ class AutoFreeze:
                 f"AutoFreeze.load_state_dict: unknown rule {state['rule']!r} (this version "
                 f"has {RULE!r})"
             )
-        mine = (self.min_step, self.max_step, self.fraction, self.threshold)
-        saved = (state["min_step"], state["max_step"], state["fraction"], state["threshold"])
-        if mine != saved:
+        if undecided and self.fraction > state["fraction"]:
             raise ValueError(
-                "AutoFreeze.load_state_dict: saved settings (min_step, max_step, fraction, "
-                f"threshold) = {saved} differ from this object's {mine}"
+                "AutoFreeze.load_state_dict: the saved undecided state kept only the window of "
+                f"fraction {state['fraction']} (the last ⌊f·t⌋ steps), and fraction "
+                f"{self.fraction} needs older observations, which were discarded. Resume with "
+                f"fraction <= {state['fraction']} (e.g. AutoFreezeSettings(fraction="
+                f"{state['fraction']})), or {how}."
             )
         self.frozen_at = state["frozen_at"]
         self._first_step = state["first_step"]
@@ -276,30 +335,33 @@ class AutoFreeze:
 
 
 class FreezePoint:
-    """One optimizer's last full-precision step: a fixed step, or with ``"auto"`` the step
-    :class:`AutoFreeze` chooses.
+    """One optimizer's last full-precision step: a fixed step, or with ``"auto"`` (an
+    :class:`AutoFreezeSettings`) the step :class:`AutoFreeze` chooses.
 
     The rule's whole state lives in ``schedule`` (the optimizer's ``global_state``, saved and
     restored with it): ``"auto_freeze"`` after every observation, ``"auto_freeze_step"`` once it
     has chosen. So a resumed run decides at the same step. An optimizer whose ``global_state``
-    is replaced (a loaded state dict) builds a new FreezePoint over the new one; an undecided
-    state that the rule cannot continue (saved by the first rule) is refused there, at load.
+    is replaced (a loaded state dict) builds a new FreezePoint over the new one: an undecided
+    saved state continues under this FreezePoint's settings, or is refused there, at load, when
+    the rule cannot continue it (:meth:`AutoFreeze.load_state_dict`).
 
     Args:
-        value: the config's freeze step (an int) or ``"auto"``.
+        value: the config's freeze step: an int, ``"auto"`` or an :class:`AutoFreezeSettings`.
         schedule: the shared schedule state the decision is kept in.
     """
 
-    def __init__(self, value: int | str, schedule: dict[str, Any]) -> None:
+    def __init__(self, value: int | str | AutoFreezeSettings, schedule: dict[str, Any]) -> None:
         self.value = value
+        #: the automatic rule's constants (None: a fixed step)
+        self.settings = auto_settings(value)
         self._schedule = schedule
         self._rule: AutoFreeze | None = None
-        if value == "auto" and schedule.get("auto_freeze_step") is None:
+        if self.settings is not None and schedule.get("auto_freeze_step") is None:
             _ = self.rule  # restore (and check) a saved undecided state now, not at a later step
 
     def last_full_step(self) -> float:
         """The fixed step, or the step the rule chose (``math.inf`` until it has chosen)."""
-        if self.value != "auto":
+        if self.settings is None:
             return self.value
         decided = self._schedule.get("auto_freeze_step")
         return math.inf if decided is None else decided
@@ -308,7 +370,7 @@ class FreezePoint:
     def rule(self) -> AutoFreeze:
         """The automatic freeze rule and its state (restored from the schedule at first use)."""
         if self._rule is None:
-            self._rule = AutoFreeze()
+            self._rule = AutoFreeze.from_settings(self.settings or AutoFreezeSettings())
             saved = self._schedule.get("auto_freeze")
             if saved is not None:
                 self._rule.load_state_dict(saved)

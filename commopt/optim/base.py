@@ -62,7 +62,8 @@ class CompressedOptimizer(BackwardWork, ConfigAttributes, torch.optim.Optimizer)
     _bucket_numel: int | None = DEFAULT_BUCKET_NUMEL
     #: compute ``comm_stats()["compression_error"]`` (one dot product per compressed call)
     track_compression_error: bool = True
-    #: the config field that may be ``"auto"`` (decided by :class:`commopt.freeze.AutoFreeze`)
+    #: the config field that may be ``"auto"`` or an AutoFreezeSettings (then
+    #: :class:`commopt.freeze.AutoFreeze` decides)
     _freeze_field: ClassVar[str] = "freeze_step"
 
     def __init__(
@@ -292,21 +293,25 @@ class CompressedOptimizer(BackwardWork, ConfigAttributes, torch.optim.Optimizer)
         Raises:
             ValueError: the saved config (e.g. ``freeze_step``) differs from this optimizer's,
                 which would move the run into another phase; pass ``allow_config_change=True``
-                to resume under this optimizer's config on purpose.
+                to resume under this optimizer's config on purpose; or an undecided automatic
+                freeze saved with a smaller ``fraction`` (:meth:`AutoFreeze.load_state_dict`).
         """
         if self._early is not None:  # nothing may be in flight on the buffers replaced here
             self._early.drain()
         state_dict, comm = split_commopt_entry(
             state_dict, self.config, type(self).__name__, allow_config_change
         )
+        global_state = self.global_state if comm is None else copy.deepcopy(comm["global"])
+        # the freeze point over the loaded schedule first: a saved automatic-freeze state that
+        # cannot continue under this config is refused before anything is replaced
+        freeze = FreezePoint(self._freeze.value, global_state)
         super().load_state_dict(state_dict)
         for group in self.param_groups:  # state dicts saved before first_step existed
             group.setdefault("first_step", 0)
         keep_state_dtypes(self, state_dict)
-        if comm is not None:
-            self.global_state = copy.deepcopy(comm["global"])
-        # rebuilt from the loaded state at the next use: freeze point, flat buffers, agreement
-        self._freeze = FreezePoint(self._freeze.value, self.global_state)
+        self.global_state = global_state
+        self._freeze = freeze
+        # rebuilt from the loaded state at the next use: flat buffers, agreement
         self._layout.forget(comm)
         self._early = None  # nothing staged survives a load
         self._agreement.forget()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, TypeVar
 
+from commopt.freeze import AutoFreezeSettings, auto_settings
 from commopt.optim.user_warning import warn_at_caller
 
 T = TypeVar("T")
@@ -55,12 +56,20 @@ _FEEDBACK = ("classic", "econtrol")
 _TRUST_RATIOS = ("frozen", "tracking", "max")
 
 
-def check_freeze_step(name: str, value: int | str) -> None:
-    """An int >= 1 or ``"auto"`` (:class:`commopt.freeze.AutoFreeze` decides)."""
-    if value == "auto":
+#: A config field that takes ``"auto"`` or an AutoFreezeSettings as well as a fixed step.
+_AUTO_FREEZE = {"auto_freeze": True}
+_FREEZE_FORMS = "an int >= 1, 'auto' or a commopt.AutoFreezeSettings"
+
+
+def check_freeze_step(name: str, value: int | str | AutoFreezeSettings) -> None:
+    """An int >= 1, ``"auto"`` or an :class:`~commopt.freeze.AutoFreezeSettings` (then
+    :class:`commopt.freeze.AutoFreeze` decides with those constants)."""
+    if auto_settings(value) is not None:
         return
     if isinstance(value, str):
-        raise ValueError(f"Invalid {name}: {value!r} (must be an int >= 1 or 'auto')")
+        raise ValueError(f"Invalid {name}: {value!r} (must be {_FREEZE_FORMS})")
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"Invalid {name}: {value!r} (must be {_FREEZE_FORMS})")
     check_step_count(name, value, 1, _WHY_FREEZE)
 
 
@@ -118,9 +127,12 @@ def _check_range(name: str, low: float, high: float, low_name: str) -> None:
 class OnebitAdamConfig:
     """1-bit Adam's schedule (SPEC §2)."""
 
-    freeze_step: int | str = 100_000
+    freeze_step: int | str | AutoFreezeSettings = dataclasses.field(
+        default=100_000, metadata=_AUTO_FREEZE
+    )
     """T_w: the last full-precision (warmup) step; the variance is frozen after it (>= 1), or
-    ``"auto"``: decided when the variance has settled (:class:`commopt.freeze.AutoFreeze`)."""
+    ``"auto"`` / an :class:`~commopt.freeze.AutoFreezeSettings`: decided when the variance has
+    settled (:class:`commopt.freeze.AutoFreeze` with those constants)."""
     error_feedback: str = "classic"
     """The compressed exchange's error feedback: ``"classic"`` (SPEC §1) or ``"econtrol"``."""
     econtrol_eta: float = 0.2
@@ -139,8 +151,10 @@ class OnebitAdamConfig:
 class OnebitLambConfig:
     """1-bit LAMB's schedule and trust-ratio coefficients (SPEC §3), one set for the model."""
 
-    freeze_step: int | str = 100_000
-    """T_w: the last full-precision LAMB step (>= 1), or ``"auto"``."""
+    freeze_step: int | str | AutoFreezeSettings = dataclasses.field(
+        default=100_000, metadata=_AUTO_FREEZE
+    )
+    """T_w: the last full-precision LAMB step (>= 1), or ``"auto"`` / AutoFreezeSettings."""
     max_coeff: float = 10.0
     """Upper clamp of the warmup trust ratio."""
     min_coeff: float = 0.01
@@ -181,8 +195,10 @@ class OnebitLambConfig:
 class ZeroOneAdamConfig:
     """0/1 Adam's two schedules (SPEC §4)."""
 
-    var_freeze_step: int | str = 100_000
-    """T_v: the last step of phase A (>= 1), or ``"auto"``."""
+    var_freeze_step: int | str | AutoFreezeSettings = dataclasses.field(
+        default=100_000, metadata=_AUTO_FREEZE
+    )
+    """T_v: the last step of phase A (>= 1), or ``"auto"`` / AutoFreezeSettings."""
     var_update_scaler: int = 16
     """Variance steps between doublings of the variance interval I_v (>= 1)."""
     local_step_scaler: int = 32768
@@ -211,13 +227,35 @@ class ZeroOneAdamConfig:
 
 
 def config_differences(saved: dict[str, Any], current: Any) -> list[str]:
-    """``field: saved → current`` for every field of ``current`` that ``saved`` sets otherwise."""
-    now = dataclasses.asdict(current)
-    return [
-        f"{name}: saved {saved[name]!r}, now {value!r}"
-        for name, value in now.items()
-        if name in saved and saved[name] != value
-    ]
+    """``field: saved → current`` for every field of ``current`` that ``saved`` sets otherwise.
+
+    A freeze field compares by meaning: ``"auto"``, ``AutoFreezeSettings()`` and the dict that
+    ``dataclasses.asdict`` saved for it are the same value when their constants are equal.
+    """
+    now, changed = dataclasses.asdict(current), []
+    for field in dataclasses.fields(current):
+        name = field.name
+        value = getattr(current, name)
+        if name not in saved:
+            continue
+        if field.metadata.get("auto_freeze"):
+            same = _freeze_value(saved[name]) == _freeze_value(value)
+        else:
+            same = saved[name] == now[name]
+        if not same:
+            changed.append(f"{name}: saved {saved[name]!r}, now {value!r}")
+    return changed
+
+
+def _freeze_value(value: Any) -> Any:
+    """A freeze field's value as it acts: AutoFreezeSettings for the automatic rule (from
+    ``"auto"``, itself or its saved dict), else the value itself."""
+    if isinstance(value, dict):
+        try:
+            return AutoFreezeSettings(**value)
+        except (TypeError, ValueError):
+            return value
+    return auto_settings(value) or value
 
 
 def check_config_change(saved: dict[str, Any], current: Any, owner: str, allow: bool) -> None:

@@ -6,7 +6,7 @@ import math
 from typing import Any
 
 from commopt.comm import Backend
-from commopt.freeze import VarianceLevel, variance_level
+from commopt.freeze import AutoFreezeSettings, VarianceLevel, auto_settings, variance_level
 from commopt.optim.adam_math import adam_update_, momentum_from_grads_, update_moments_
 from commopt.optim.base import CompressedOptimizer
 from commopt.optim.config import OnebitAdamConfig, check_adam_arguments, document_schedule
@@ -55,7 +55,9 @@ class OnebitAdam(CompressedOptimizer):
         freeze_step: T_w, the number of full-precision warmup steps (default 100000, >= 1), or
             ``"auto"``: freeze once the variance has settled (:class:`commopt.freeze.AutoFreeze`,
             docs/algorithms/auto_freeze.md); the step chosen is ``global_state
-            ["auto_freeze_step"]``, logged once, saved and restored with the state.
+            ["auto_freeze_step"]``, logged once, saved and restored with the state. A
+            :class:`commopt.AutoFreezeSettings` chooses the rule's constants (min_step,
+            max_step, fraction, threshold); ``"auto"`` is ``AutoFreezeSettings()``.
         bias_correction: divide by 1−β^t as Adam does (default True).
         backend: communication backend; ``None`` resolves as SPEC §5 (``commopt.init()``'s).
         topology: ``"flat"`` (SPEC §1 over all ranks, default), ``"hierarchical"`` (full
@@ -93,7 +95,8 @@ class OnebitAdam(CompressedOptimizer):
     ‖v_t − v_{t−k}‖/‖v_t‖ during warmup and freeze once it changes by a few percent per
     thousand steps; ``freeze_step="auto"`` applies such a test (the log of each layer's mean
     √v̂, averaged over layers, moved by at most 5 % over the last half of the steps so far)
-    without any message between ranks.
+    without any message between ranks; ``freeze_step=commopt.AutoFreezeSettings(threshold=0.03,
+    max_step=5000)`` makes it stricter and bounds the warmup.
 
     {schedule_and_resume}
 
@@ -126,7 +129,7 @@ class OnebitAdam(CompressedOptimizer):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 0.0,
-        freeze_step: int | str = 100_000,
+        freeze_step: int | str | AutoFreezeSettings = 100_000,
         bias_correction: bool = True,
         backend: Backend | None = None,
         *,
@@ -170,7 +173,8 @@ class OnebitAdam(CompressedOptimizer):
                     self._compress(state, m)
                 self._mask(state, m)
             self._apply_update(state, t, freeze_step)
-        if observed and self.config.freeze_step == "auto" and math.isinf(freeze_step):
+        automatic = auto_settings(self.config.freeze_step) is not None
+        if observed and automatic and math.isinf(freeze_step):
             self._observe_variance(step, self._variance_level(observed, step))
 
     def _early_kind(self, state: FlatState, step: int) -> str | None:

@@ -9,7 +9,7 @@ import torch
 
 from commopt.comm import Backend
 from commopt.compressed import NonFiniteError
-from commopt.freeze import variance_level
+from commopt.freeze import AutoFreezeSettings, auto_settings, variance_level
 from commopt.optim.adam_math import update_moments_
 from commopt.optim.base import CompressedOptimizer
 from commopt.optim.config import OnebitLambConfig, check_adam_arguments, document_schedule
@@ -70,7 +70,8 @@ class OnebitLamb(CompressedOptimizer):
         betas: (β1, β2) (default (0.9, 0.999)).
         eps: ε added to the denominator (default 1e-8).
         weight_decay: decoupled weight decay λ (default 0).
-        freeze_step: T_w, the number of full-precision LAMB steps (default 100000, >= 1).
+        freeze_step: T_w, the number of full-precision LAMB steps (default 100000, >= 1), or
+            ``"auto"`` / a :class:`commopt.AutoFreezeSettings` choosing its constants (below).
         max_coeff: upper clamp of the warmup trust ratio (default 10.0).
         min_coeff: lower clamp of the warmup trust ratio (default 0.01).
         coeff_beta: β_c, EMA factor of the frozen trust ratio c̄ (default 0.9).
@@ -109,7 +110,8 @@ class OnebitLamb(CompressedOptimizer):
             whose v is below 1 % of their tensor's mean v, ``True`` on every element, ``False``
             never (the paper's step).
 
-    ``freeze_step="auto"`` freezes once the bias-corrected variance level has settled
+    ``freeze_step="auto"`` (or an :class:`commopt.AutoFreezeSettings` with other constants)
+    freezes once the bias-corrected variance level has settled
     (:class:`commopt.freeze.AutoFreeze`); the trust ratio normalises each layer's update, so
     the level of the uncorrected v need not have grown to its steady value first.
 
@@ -159,7 +161,7 @@ class OnebitLamb(CompressedOptimizer):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 0.0,
-        freeze_step: int | str = 100_000,
+        freeze_step: int | str | AutoFreezeSettings = 100_000,
         max_coeff: float = 10.0,
         min_coeff: float = 0.01,
         coeff_beta: float = 0.9,
@@ -218,7 +220,7 @@ class OnebitLamb(CompressedOptimizer):
                 compressing.append((state, t == freeze_step + 1))
         if compressing:
             self._compressed_step(compressing)
-        if warm and self.config.freeze_step == "auto" and math.isinf(freeze_step):
+        if warm and auto_settings(self.config.freeze_step) is not None and math.isinf(freeze_step):
             level = 0.0
             for state in warm:
                 v = state.flat["exp_avg_sq"]

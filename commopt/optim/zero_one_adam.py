@@ -9,7 +9,7 @@ import torch
 
 from commopt.comm import Backend
 from commopt.compressed import NonFiniteError
-from commopt.freeze import settled_step, variance_level
+from commopt.freeze import AutoFreezeSettings, auto_settings, settled_step, variance_level
 from commopt.optim.adam_math import adam_update_, momentum_from_grads_, update_moments_
 from commopt.optim.base import CompressedOptimizer
 from commopt.optim.config import ZeroOneAdamConfig, check_adam_arguments, document_schedule
@@ -86,7 +86,9 @@ class ZeroOneAdam(ZeroOneSync, ZeroOneSchedule, CompressedOptimizer):
             ``bias_correction=False`` also not before the uncorrected v has grown to within the
             threshold of its level, which takes :func:`commopt.freeze.settled_step` variance
             updates: ≈ 2.3/(1 − β2));
-            the step chosen is ``global_state["auto_freeze_step"]``.
+            the step chosen is ``global_state["auto_freeze_step"]``. A
+            :class:`commopt.AutoFreezeSettings` chooses the rule's constants (its threshold
+            also sets the settled test); ``"auto"`` is ``AutoFreezeSettings()``.
         var_update_scaler: variance steps between doublings of I_v (default 16, >= 1).
         local_step_scaler: phase-B steps between doublings of I_l (default 32768, >= 1).
         local_step_clipper: the largest I_l (default 16, >= 1).
@@ -164,7 +166,7 @@ class ZeroOneAdam(ZeroOneSync, ZeroOneSchedule, CompressedOptimizer):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 0.0,
-        var_freeze_step: int | str = 100_000,
+        var_freeze_step: int | str | AutoFreezeSettings = 100_000,
         var_update_scaler: int = 16,
         local_step_scaler: int = 32768,
         local_step_clipper: int = 16,
@@ -259,7 +261,7 @@ class ZeroOneAdam(ZeroOneSync, ZeroOneSchedule, CompressedOptimizer):
             self._adam_update(state, variance)  # 3.
         if variance:
             self._advance_variance()
-            if self.config.var_freeze_step == "auto":
+            if auto_settings(self.config.var_freeze_step) is not None:
                 self._observe(step)
 
     def _observe(self, step: int) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import math
 import random
@@ -11,7 +12,14 @@ import pytest
 import torch
 
 import commopt
-from commopt.freeze import AutoFreeze, VarianceLevel, settled_step, variance_level
+from commopt.freeze import (
+    AutoFreeze,
+    AutoFreezeSettings,
+    VarianceLevel,
+    auto_settings,
+    settled_step,
+    variance_level,
+)
 
 
 def _levels(n: int, scale: float = 1.0) -> list[float]:
@@ -181,10 +189,7 @@ def test_an_optimizer_refuses_an_undecided_first_rule_state_at_load():
     assert fresh.frozen_after() == 2
 
 
-def test_load_rejects_other_settings_and_observe_rejects_bad_input():
-    saved = AutoFreeze(fraction=0.25).state_dict()
-    with pytest.raises(ValueError, match=r"saved settings .* differ"):
-        AutoFreeze().load_state_dict(saved)
+def test_observe_rejects_bad_input():
     auto = AutoFreeze()
     auto.observe(5, 1.0)
     with pytest.raises(ValueError, match="step 5 is not after the last observed step 5"):
@@ -210,9 +215,25 @@ def test_load_rejects_other_settings_and_observe_rejects_bad_input():
         ({"min_step": 2.5}, TypeError, "Invalid min_step: 2.5"),
     ],
 )
-def test_invalid_settings_are_rejected(kwargs, error, match):
+@pytest.mark.parametrize("make", [AutoFreeze, AutoFreezeSettings])
+def test_invalid_settings_are_rejected(kwargs, error, match, make):
     with pytest.raises(error, match=match):
-        AutoFreeze(**kwargs)
+        make(**kwargs)
+
+
+def test_settings_are_one_frozen_value():
+    assert AutoFreeze().settings == AutoFreezeSettings() == auto_settings("auto")
+    mine = AutoFreezeSettings(min_step=10, max_step=500, fraction=0.25, threshold=0.1)
+    auto = AutoFreeze.from_settings(mine)
+    assert auto.settings == mine and auto_settings(mine) is mine
+    assert (auto.min_step, auto.max_step, auto.fraction, auto.threshold) == (10, 500, 0.25, 0.1)
+    assert auto_settings(100) is None and auto_settings("soon") is None
+    assert AutoFreezeSettings(fraction=0.5, threshold=0.05) == AutoFreezeSettings()
+    assert type(AutoFreezeSettings(threshold=0.5).threshold) is float
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        mine.threshold = 0.2  # type: ignore[misc]
+    auto.raise_min_step(80)
+    assert auto.min_step == 80 and auto.settings == dataclasses.replace(mine, min_step=80)
 
 
 def test_settled_step_matches_its_definition():
@@ -240,3 +261,68 @@ def test_variance_level_sums_logs_of_per_tensor_means_of_the_denominator():
     total += variance_level([b])
     assert total == level == sum([variance_level([a]), variance_level([b])])
     assert VarianceLevel().log_mean == -math.inf
+
+
+def _undecided_state(cut: int, **settings) -> tuple[dict, list[float]]:
+    """A rule's state after ``cut`` observations of the settling levels, still undecided."""
+    levels = _levels(400)
+    first = AutoFreeze(**settings)
+    for t in range(1, cut + 1):
+        assert not first.observe(t, levels[t - 1])
+    return copy.deepcopy(first.state_dict()), levels
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"threshold": 0.2},  # looser: earlier (83)
+        {"min_step": 150},  # later than the default decision (131)
+        {"min_step": 10, "max_step": 25},  # the cap is behind: decides at the next step
+        {"threshold": 0.01, "max_step": 400},
+    ],
+)
+def test_an_undecided_state_continues_under_new_constants(settings):
+    """min_step, max_step and threshold judge the saved history as if they had been set from
+    the start (the window's observations do not depend on them)."""
+    cut = 30
+    saved, levels = _undecided_state(cut)
+    resumed = AutoFreeze(**settings)
+    resumed.load_state_dict(saved)
+    fired = [resumed.observe(t, levels[t - 1]) for t in range(cut + 1, 401)]
+    want = dict(min_step=40, max_step=100_000, fraction=0.5, threshold=0.05) | settings
+    first = _first_fire(levels, want["fraction"], want["threshold"], want["min_step"]) or 10**9
+    expected = min(max(first, cut + 1), max(want["max_step"], cut + 1))
+    assert resumed.frozen_at == expected == fired.index(True) + cut + 1
+    assert resumed.settings == AutoFreezeSettings(**want)
+    assert resumed.state_dict()["threshold"] == want["threshold"]
+
+
+def test_a_smaller_fraction_continues_exactly_and_a_larger_one_is_refused():
+    """The saved queues hold every observation the window [t − ⌊f·t⌋, t] can still need; a
+    smaller f needs a subset, a larger f observations that were dropped."""
+    cut = 35
+    saved, levels = _undecided_state(cut, min_step=1000, max_step=2000)
+    resumed = AutoFreeze(min_step=1000, max_step=2000, fraction=0.25)
+    resumed.load_state_dict(saved)
+    fresh = AutoFreeze(min_step=1000, max_step=2000, fraction=0.25)
+    for t in range(1, cut + 1):
+        fresh.observe(t, levels[t - 1])
+    for t in range(cut + 1, 300):
+        resumed.observe(t, levels[t - 1])
+        fresh.observe(t, levels[t - 1])
+        assert resumed.last_change == fresh.last_change, t
+    assert resumed.state_dict() == fresh.state_dict()
+    with pytest.raises(ValueError, match=r"fraction 0\.5 .* fraction 0\.75 needs older obs"):
+        AutoFreeze(fraction=0.75).load_state_dict(saved)
+    with pytest.raises(ValueError, match=r"Resume with fraction <= 0\.5 .* int freeze_step"):
+        AutoFreeze(fraction=0.75).load_state_dict(saved)
+
+
+def test_a_decided_state_keeps_its_decision_whatever_the_settings():
+    levels = _levels(300)
+    first = AutoFreeze()
+    decided = next(t for t, lv in enumerate(levels, 1) if first.observe(t, lv))
+    for settings in ({"fraction": 0.9}, {"max_step": 41}, {"min_step": 250, "threshold": 0.9}):
+        resumed = AutoFreeze(**settings)
+        resumed.load_state_dict(copy.deepcopy(first.state_dict()))
+        assert resumed.frozen_at == decided and resumed.observe(decided + 1, 100.0)
