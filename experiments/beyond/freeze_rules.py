@@ -2,7 +2,16 @@ r"""Candidate automatic freeze rules, replayed on traces and (optionally) run fo
 
     python -m experiments.beyond.freeze_rules                      # replay: rule × task × seed
     python -m experiments.beyond.freeze_rules --run snr-anchor --task digits --seeds 0,1,2,3,4
-    python -m experiments.beyond.freeze_rules --make-traces /tmp/trace   # rebuild the traces
+    python -m experiments.beyond.freeze_rules --run snr-anchor --task lm --seeds 0,1,2
+    python -m experiments.beyond.freeze_rules --run snr-anchor --task digits --seeds 0,1,2,3,4 \
+        --steps 600 --sweep 300,450,600                            # the run-length check
+    python -m experiments.beyond.freeze_rules --make-traces RAW_DIR [--traces FILE]
+        # compact RAW_DIR/trace_<task>_seed<S>.json (freeze_trace --variants adam [--steps N])
+        # into FILE (default: the committed freeze_traces.json), then replay it
+
+Replay writes ``freeze_rules_replay.md`` (``<FILE stem>_replay.md`` for another traces file),
+real runs ``freeze_rule_<rule>_<task>[_<N>steps].{md,json}``, into ``--out`` (default
+experiments/beyond/results).
 
 Question (issue 13): can a rule computed only from quantities every rank holds alike during the
 warmup (the Adam state m, v of the *averaged* gradient and the step count: no message) freeze
