@@ -80,7 +80,9 @@ class OnebitAdam(CompressedOptimizer):
             still computing the rest (docs/overlap.md). Results depend on the layout (one
             scale per bucket), so compare runs at the same ``bucket_numel``.
         error_feedback: ``"classic"`` (SPEC §1, default) or ``"econtrol"`` (EControl, Gao et
-            al. 2024; docs/algorithms/error_feedback.md) for the compressed exchange.
+            al. 2024; docs/algorithms/error_feedback.md) for the compressed exchange: it
+            helped on strongly heterogeneous data and was 14–30 % worse (or diverged) on the
+            demo LM, where every rank sees the same data mix (docs/experiments.md §3).
         econtrol_eta: η of EControl (default 0.2; ignored by ``"classic"``).
         step_guard: clamp compression-stage steps |m̂/(√v̂ + ε)| to the largest step exact
             Adam can take, B(β1, β2) (:mod:`commopt.step_guard`): ``"tiny"`` (default) on the
