@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 import commopt
-from experiments.beyond.demo_lm import _ranks, seed_table
+from experiments.beyond.demo_lm import SMALL, _ranks, seed_table
 from experiments.common import describe_machine, launch
 from experiments.demo import train_bytelm as demo
 
@@ -48,13 +48,18 @@ VARIANTS: dict[str, Callable[..., Any]] = {
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", default="0")
+    parser.add_argument("--steps", type=int, default=demo.Config.steps)
+    parser.add_argument("--warmup", type=int, default=demo.Config.warmup, help="freeze_step")
+    parser.add_argument("--ranks", type=int, default=4)
+    parser.add_argument("--small", action="store_true", help="a tiny model and corpus (tests)")
     parser.add_argument("--out", type=pathlib.Path, default=OUT)
     args = parser.parse_args(argv)
     seeds = [int(s) for s in args.seeds.split(",")]
     labels = [ADAM, *VARIANTS]
     per_seed = {}
     for seed in seeds:
-        cfg = demo.Config(seed=seed)
+        extra = SMALL if args.small else {}
+        cfg = demo.Config(seed=seed, steps=args.steps, warmup=args.warmup, **extra)
         variants = [
             demo.Variant(ADAM, lambda p, c: torch.optim.Adam(p, lr=c.lr), True, None, ADAM),
             *(
@@ -62,13 +67,13 @@ def main(argv: list[str] | None = None) -> int:
                 for label, build in VARIANTS.items()
             ),
         ]
-        per_seed[seed] = launch(_ranks, 4, variants, cfg, timeout=7200.0)
+        per_seed[seed] = launch(_ranks, args.ranks, variants, cfg, timeout=7200.0)
         print(seed, {k: v for k, v in per_seed[seed].items() if k != "_machine"}, flush=True)
     lines = [
         "## EControl against classic error feedback on the demo byte LM",
         "",
-        f"Machine: {describe_machine()}. {demo.Config.steps} steps, freeze_step "
-        f"{demo.Config.warmup}, 4 ranks, seeds {args.seeds}.",
+        f"Machine: {describe_machine()}. {args.steps} steps, freeze_step "
+        f"{args.warmup}, {args.ranks} ranks, seeds {args.seeds}.",
         "",
         *seed_table(per_seed, labels, reference=ADAM),
     ]

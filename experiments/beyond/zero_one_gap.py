@@ -41,7 +41,7 @@ import torch
 from commopt.optim.adam_math import momentum_from_grads_
 from commopt.optim.zero_one_adam import ZeroOneAdam
 from experiments.beyond.common import run_variants
-from experiments.beyond.demo_lm import _ranks, seed_table
+from experiments.beyond.demo_lm import SMALL, _ranks, seed_table
 from experiments.common import describe_machine, launch
 from experiments.convergence.run import DEFAULTS
 from experiments.demo import train_bytelm as demo
@@ -119,7 +119,9 @@ VARIANTS: dict[str, Callable[..., Any] | None] = {
 }
 
 
-def _suite(task: str, labels: list[str], seeds: list[int]) -> dict[int, dict[str, Any]]:
+def _suite(
+    task: str, labels: list[str], seeds: list[int], steps: int, ranks: int
+) -> dict[int, dict[str, Any]]:
     d = DEFAULTS[task]
     makers = {}
     for label in labels:
@@ -130,7 +132,7 @@ def _suite(task: str, labels: list[str], seeds: list[int]) -> dict[int, dict[str
             makers[label] = lambda p, be, build=build: build(p, d["lr"], be)
     per_seed = {}
     for seed in seeds:
-        result = run_variants(task, makers, d["steps"], d["eval_every"], 4, {"seed": seed})
+        result = run_variants(task, makers, steps, d["eval_every"], ranks, {"seed": seed})
         per_seed[seed] = {
             label: {
                 "val_loss": run["rows"][-1]["val_loss"],
@@ -144,10 +146,12 @@ def _suite(task: str, labels: list[str], seeds: list[int]) -> dict[int, dict[str
     return per_seed
 
 
-def _demo(labels: list[str], seeds: list[int]) -> dict[int, dict[str, Any]]:
+def _demo(
+    labels: list[str], seeds: list[int], steps: int, ranks: int, small: bool
+) -> dict[int, dict[str, Any]]:
     per_seed = {}
     for seed in seeds:
-        cfg = demo.Config(seed=seed)
+        cfg = demo.Config(seed=seed, steps=steps, **(SMALL if small else {}))
         variants = []
         for label in labels:
             build = VARIANTS[label]
@@ -167,7 +171,7 @@ def _demo(labels: list[str], seeds: list[int]) -> dict[int, dict[str, Any]]:
                         label,
                     )
                 )
-        per_seed[seed] = launch(_ranks, 4, variants, cfg, timeout=7200.0)
+        per_seed[seed] = launch(_ranks, ranks, variants, cfg, timeout=7200.0)
         print(seed, {k: v for k, v in per_seed[seed].items() if k != "_machine"}, flush=True)
     return per_seed
 
@@ -177,14 +181,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--task", choices=("lm", "digits", "demo"), default="lm")
     parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated labels")
     parser.add_argument("--seeds", default="0,1")
+    parser.add_argument("--steps", type=int, default=None, help="default: the task's")
+    parser.add_argument("--ranks", type=int, default=4)
+    parser.add_argument("--small", action="store_true", help="demo: a tiny model (tests)")
     parser.add_argument("--out", type=pathlib.Path, default=OUT)
     args = parser.parse_args(argv)
     labels = [k for k in args.variants.split(",") if k]
     if ADAM not in labels:
         labels.insert(0, ADAM)
     seeds = [int(s) for s in args.seeds.split(",")]
-    per_seed = _demo(labels, seeds) if args.task == "demo" else _suite(args.task, labels, seeds)
-    steps = demo.Config.steps if args.task == "demo" else DEFAULTS[args.task]["steps"]
+    steps = args.steps or (
+        demo.Config.steps if args.task == "demo" else DEFAULTS[args.task]["steps"]
+    )
+    if args.task == "demo":
+        per_seed = _demo(labels, seeds, steps, args.ranks, args.small)
+    else:
+        per_seed = _suite(args.task, labels, seeds, steps, args.ranks)
     gaps = {
         label: statistics.fmean(
             per_seed[s][label]["val_loss"] / per_seed[s][ADAM]["val_loss"] - 1 for s in seeds
@@ -194,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     lines = [
         f"## 0/1 Adam's gap to Adam at its literal defaults, task {args.task}",
         "",
-        f"Machine: {describe_machine()}. {steps} steps (all in phase A), 4 ranks, "
+        f"Machine: {describe_machine()}. {steps} steps (all in phase A), {args.ranks} ranks, "
         f"seeds {args.seeds}, betas (0.9, 0.999), the task's lr for every row.",
         "",
         *seed_table(per_seed, labels, reference=ADAM),
