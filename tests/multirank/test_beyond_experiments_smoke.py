@@ -137,3 +137,13 @@ def test_error_feedback_lm(tmp_path):
     _run("experiments.beyond.error_feedback_lm", tmp_path, *small)
     table = (tmp_path / "error_feedback_lm.md").read_text()
     assert "| OnebitAdam econtrol η=0.2 |" in table and "| OnebitAdam classic |" in table
+
+
+def test_freeze_rules_replay_and_run(tmp_path):
+    _run("experiments.beyond.freeze_rules", tmp_path)
+    replay = (tmp_path / "freeze_rules_replay.md").read_text()
+    assert "| signal anchor 6·t_n |" in replay and "| log-range τ=0.05 (today) |" in replay
+    args = ("--run", "snr-anchor", "--task", "digits", "--seeds", "0", "--steps", "8")
+    _run("experiments.beyond.freeze_rules", tmp_path, *args, "--sweep", "3")
+    table = (tmp_path / "freeze_rule_snr-anchor_digits_8steps.md").read_text()
+    assert all(map(math.isfinite, _losses(table, "rule snr-anchor"))), table
