@@ -17,10 +17,13 @@ from commopt.comm import resolve_backend
 from experiments.common import describe_machine, launch
 from experiments.demo import train_bytelm as demo
 
-__all__ = ["SMALL", "run_demo_variants", "seed_table"]
+__all__ = ["ADAM", "SMALL", "run_demo_variants", "run_seeds", "seed_table"]
 
 #: ``--small``: a tiny model and corpus, for the smoke tests
 SMALL = dict(batch=4, hidden=16, embed=8, eval_contexts=64, max_corpus_bytes=2_000_000)
+
+#: the reference row of :func:`run_seeds`: torch.optim.Adam on fp32-averaged gradients
+ADAM = "Adam"
 
 
 def _ranks(variants: list[demo.Variant], cfg: demo.Config) -> dict[str, Any]:
@@ -54,6 +57,29 @@ def run_demo_variants(
         for label, make in makers.items()
     ]
     return launch(_ranks, world_size, variants, cfg, timeout=7200.0)
+
+
+def run_seeds(
+    makers: dict[str, Callable[[Any, demo.Config], torch.optim.Optimizer] | None],
+    seeds: list[int],
+    world_size: int = 4,
+    **config: Any,
+) -> dict[int, dict[str, Any]]:
+    """{seed: {label: {val_loss, …}}}: every maker trained on the demo with ``demo.Config(seed,
+    **config)``; a maker of None is the reference, ``torch.optim.Adam(lr=cfg.lr)`` on gradients
+    averaged at fp32 by the training loop. Prints each seed's results as it finishes."""
+    per_seed = {}
+    for seed in seeds:
+        variants = [
+            demo.Variant(label, lambda p, c: torch.optim.Adam(p, lr=c.lr), True, None, label)
+            if make is None
+            else demo.Variant(label, make, False, lambda c: c.warmup + 1, label)
+            for label, make in makers.items()
+        ]
+        cfg = demo.Config(seed=seed, **config)
+        per_seed[seed] = launch(_ranks, world_size, variants, cfg, timeout=7200.0)
+        print(seed, {k: v for k, v in per_seed[seed].items() if k != "_machine"}, flush=True)
+    return per_seed
 
 
 def _loss(x: float) -> str:

@@ -17,15 +17,12 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-import torch
-
 import commopt
-from experiments.beyond.demo_lm import SMALL, _ranks, seed_table
-from experiments.common import describe_machine, launch
+from experiments.beyond.demo_lm import ADAM, SMALL, run_seeds, seed_table
+from experiments.common import describe_machine
 from experiments.demo import train_bytelm as demo
 
 OUT = pathlib.Path(__file__).parent / "results"
-ADAM = "Adam"
 ETAS = (0.0, 0.01, 0.05, 0.2, 0.5, 1.0)
 
 
@@ -56,19 +53,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     seeds = [int(s) for s in args.seeds.split(",")]
     labels = [ADAM, *VARIANTS]
-    per_seed = {}
-    for seed in seeds:
-        extra = SMALL if args.small else {}
-        cfg = demo.Config(seed=seed, steps=args.steps, warmup=args.warmup, **extra)
-        variants = [
-            demo.Variant(ADAM, lambda p, c: torch.optim.Adam(p, lr=c.lr), True, None, ADAM),
-            *(
-                demo.Variant(label, build, False, lambda c: c.warmup + 1, label)
-                for label, build in VARIANTS.items()
-            ),
-        ]
-        per_seed[seed] = launch(_ranks, args.ranks, variants, cfg, timeout=7200.0)
-        print(seed, {k: v for k, v in per_seed[seed].items() if k != "_machine"}, flush=True)
+    extra = SMALL if args.small else {}
+    makers = {ADAM: None, **VARIANTS}
+    per_seed = run_seeds(makers, seeds, args.ranks, steps=args.steps, warmup=args.warmup, **extra)
     lines = [
         "## EControl against classic error feedback on the demo byte LM",
         "",

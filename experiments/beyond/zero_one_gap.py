@@ -41,13 +41,12 @@ import torch
 from commopt.optim.adam_math import momentum_from_grads_
 from commopt.optim.zero_one_adam import ZeroOneAdam
 from experiments.beyond.common import run_variants
-from experiments.beyond.demo_lm import SMALL, _ranks, seed_table
-from experiments.common import describe_machine, launch
+from experiments.beyond.demo_lm import ADAM, SMALL, run_seeds, seed_table
+from experiments.common import describe_machine
 from experiments.convergence.run import DEFAULTS
 from experiments.demo import train_bytelm as demo
 
 OUT = pathlib.Path(__file__).parent / "results"
-ADAM = "Adam"
 
 
 class ExactBetweenVarianceSteps(ZeroOneAdam):
@@ -149,31 +148,11 @@ def _suite(
 def _demo(
     labels: list[str], seeds: list[int], steps: int, ranks: int, small: bool
 ) -> dict[int, dict[str, Any]]:
-    per_seed = {}
-    for seed in seeds:
-        cfg = demo.Config(seed=seed, steps=steps, **(SMALL if small else {}))
-        variants = []
-        for label in labels:
-            build = VARIANTS[label]
-            if build is None:
-                variants.append(
-                    demo.Variant(
-                        ADAM, lambda p, c: torch.optim.Adam(p, lr=c.lr), True, None, "Adam"
-                    )
-                )
-            else:
-                variants.append(
-                    demo.Variant(
-                        label,
-                        lambda p, c, build=build: build(p, c.lr),
-                        False,
-                        lambda c: c.warmup + 1,
-                        label,
-                    )
-                )
-        per_seed[seed] = launch(_ranks, ranks, variants, cfg, timeout=7200.0)
-        print(seed, {k: v for k, v in per_seed[seed].items() if k != "_machine"}, flush=True)
-    return per_seed
+    makers = {}
+    for label in labels:
+        build = VARIANTS[label]
+        makers[label] = None if build is None else lambda p, c, build=build: build(p, c.lr)
+    return run_seeds(makers, seeds, ranks, steps=steps, **(SMALL if small else {}))
 
 
 def main(argv: list[str] | None = None) -> int:
