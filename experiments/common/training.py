@@ -13,6 +13,14 @@ Variants (labels as they appear in every table):
   bucket (see :func:`make_setup`).
 - ``OnebitAdam``, ``ZeroOneAdam``, ``OnebitLamb``: the commopt optimizers with ``warmup`` as
   ``freeze_step`` / ``var_freeze_step``.
+- ``ZeroOneAdam-1bitA``: 0/1 Adam kept in phase A (``var_freeze_step`` after the run) with
+  ``var_update_scaler=1``, so its variance steps (fp32 averages) are steps 1, 2, 4, 8, 16, ...
+  and every other step is a 1-bit gradient step.
+- ``ZeroOneAdam-syncB``: 0/1 Adam with ``local_step_scaler`` large enough (2**30) that the local
+  interval stays 1: every phase-B step is a sync step.
+- ``X-overlap`` (X one of ``OnebitAdam``, ``OnebitLamb``, ``ZeroOneAdam``, ``ZeroOneAdam-1bitA``,
+  ``ZeroOneAdam-syncB``): X with ``overlap=True``; X and X-overlap both get ``bucket_numel``, so
+  their results are bit-identical.
 - ``LAMB``: ``commopt.OnebitLamb`` with ``freeze_step`` larger than the run, i.e. only its
   full-precision warmup stage, which is LAMB (Adam moments, per-tensor trust ratio
   ‖p‖/‖u‖ clipped to [min_coeff, max_coeff], fp32 gradient average every step).
@@ -73,6 +81,12 @@ ALL_VARIANTS = (
     "OnebitLamb",
     "OnebitAdam-overlap",  # OnebitAdam(overlap=True): bucket work starts from gradient hooks
     "DDP-OnebitAdam",  # DDP with commopt.ddp.onebit_hook, paired with OnebitAdam
+    "OnebitLamb-overlap",
+    "ZeroOneAdam-overlap",
+    "ZeroOneAdam-1bitA",  # phase A only, 1-bit gradient steps between sparse variance steps
+    "ZeroOneAdam-1bitA-overlap",
+    "ZeroOneAdam-syncB",  # phase B with a sync at every step
+    "ZeroOneAdam-syncB-overlap",
 )
 
 # The real all_reduce, captured before any counter is installed: metrics use it directly.
@@ -243,7 +257,7 @@ class Hyper:
     local_step_scaler: int = 32768
     local_step_clipper: int = 16
     bucket_numel: int | None = None
-    """OnebitAdam's bucket_numel (None: its default, 2**25)"""
+    """bucket_numel of the commopt variants (None: each optimizer's default)"""
 
 
 class Setup:
@@ -320,9 +334,12 @@ class Setup:
 
     def stage(self, step: int, hp: Hyper) -> str:
         """Which stage step ``step`` (1-based) belongs to, for logs and CSVs."""
-        if self.label in ("OnebitAdam", "OnebitLamb", "OnebitAdam-overlap", "DDP-OnebitAdam"):
+        base = self.label.removesuffix("-overlap")
+        if base in ("OnebitAdam", "OnebitLamb", "DDP-OnebitAdam"):
             return "warmup" if step <= hp.warmup else "compressed"
-        if self.label == "ZeroOneAdam":
+        if base == "ZeroOneAdam-1bitA":
+            return "phaseA"
+        if base in ("ZeroOneAdam", "ZeroOneAdam-syncB"):
             return "phaseA" if step <= hp.warmup else "phaseB"
         if self.label == "DDP-PowerSGD":
             return "allreduce" if step < hp.warmup else "powersgd"
@@ -386,28 +403,27 @@ def make_setup(label: str, model: nn.Module, hp: Hyper) -> Setup:
     if label == "Adam":
         opt = torch.optim.Adam(params, lr=hp.lr, betas=hp.betas, weight_decay=hp.weight_decay)
         return Setup(label, model, opt, backend, None, average_gradients=True)
-    if label in ("OnebitAdam", "OnebitAdam-overlap"):
-        opt = commopt.OnebitAdam(
-            params,
-            lr=hp.lr,
-            betas=hp.betas,
-            weight_decay=hp.weight_decay,
-            freeze_step=hp.warmup,
-            backend=backend,
-            overlap=label == "OnebitAdam-overlap",
-            bucket_numel=hp.bucket_numel,
-        )
-    elif label == "ZeroOneAdam":
+    base = label.removesuffix("-overlap")
+    commopt_kw: dict[str, Any] = {
+        "betas": hp.betas,
+        "weight_decay": hp.weight_decay,
+        "backend": backend,
+        "overlap": label.endswith("-overlap"),
+        "bucket_numel": hp.bucket_numel,
+    }
+    if base == "OnebitAdam":
+        opt = commopt.OnebitAdam(params, lr=hp.lr, freeze_step=hp.warmup, **commopt_kw)
+    elif base.startswith("ZeroOneAdam"):
         opt = commopt.ZeroOneAdam(
             params,
             lr=hp.lr,
-            betas=hp.betas,
-            weight_decay=hp.weight_decay,
-            var_freeze_step=hp.warmup,
-            var_update_scaler=hp.var_update_scaler,
-            local_step_scaler=hp.local_step_scaler,
+            # 1bitA: never leaves phase A; variance steps at 1, 2, 4, 8, ...
+            var_freeze_step=hp.steps + 1 if base == "ZeroOneAdam-1bitA" else hp.warmup,
+            var_update_scaler=1 if base == "ZeroOneAdam-1bitA" else hp.var_update_scaler,
+            # syncB: the local interval never doubles, so every phase-B step syncs
+            local_step_scaler=2**30 if base == "ZeroOneAdam-syncB" else hp.local_step_scaler,
             local_step_clipper=hp.local_step_clipper,
-            backend=backend,
+            **commopt_kw,
         )
     elif label == "LAMB":
         opt = commopt.OnebitLamb(
@@ -418,13 +434,6 @@ def make_setup(label: str, model: nn.Module, hp: Hyper) -> Setup:
             freeze_step=hp.steps + 1,
             backend=backend,
         )
-    else:  # OnebitLamb
-        opt = commopt.OnebitLamb(
-            params,
-            lr=hp.lamb_lr,
-            betas=hp.betas,
-            weight_decay=hp.weight_decay,
-            freeze_step=hp.warmup,
-            backend=backend,
-        )
+    else:  # OnebitLamb, OnebitLamb-overlap
+        opt = commopt.OnebitLamb(params, lr=hp.lamb_lr, freeze_step=hp.warmup, **commopt_kw)
     return Setup(label, model, opt, backend, None, average_gradients=False)

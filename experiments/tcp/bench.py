@@ -14,9 +14,28 @@ d_model 512, 8 heads, feed-forward 2048, vocabulary 8192, ``batch`` sequences of
 step like any dense model, but with ``seq`` × ``batch`` tokens instead of ``batch`` rows, so
 backward takes long enough for ``overlap=True`` to have something to hide behind.
 
-``--bucket-numel`` sets OnebitAdam's bucket size (both OnebitAdam variants, so their results are
-bit-identical to each other); several buckets are what lets an overlapped exchange start before
-backward ends.
+``--bucket-numel`` sets the bucket size of every commopt variant (an optimizer with overlap off
+and on gets the same, so their results are bit-identical to each other); several buckets are
+what lets an overlapped exchange start before backward ends.
+
+What the commopt variants time (``X-overlap`` is X with ``overlap=True``):
+
+- ``OnebitAdam``, ``OnebitLamb`` (and ``-overlap``): the compression stage (after the freeze
+  step ``warmup``).
+- ``ZeroOneAdam`` (and ``-overlap``): phase B with the local interval doubling every step up to
+  ``local_step_clipper``: mostly local steps, which send nothing (a mean, so the rare sync steps
+  are included in proportion; overlap has only those to hide).
+- ``ZeroOneAdam-1bitA`` (and ``-overlap``): phase A (the variance is never frozen) with
+  ``var_update_scaler=1``: steps 1, 2, 4, 8, 16, ... are variance steps (fp32 averages), every
+  other step a 1-bit gradient step. With ``--warmup 2 --settle 6 --measure 7`` the timed steps
+  are 9–15, all 1-bit; the table's "fp32 / 1-bit rounds" column shows what a window held.
+- ``ZeroOneAdam-syncB`` (and ``-overlap``): phase B with the local interval held at 1, so every
+  timed step is a sync step (local update, then the 1-bit exchange of the parameter change).
+
+Checks, per variant after its timed steps: ``replicas_identical`` (a sha256 of the parameters,
+compared over all ranks; ``ZeroOneAdam``'s replicas legitimately differ between syncs) and, for
+every ``X-overlap`` run together with X, ``same_as_off`` (X-overlap's parameters hash to X's:
+the overlap path must give the same bits). ``skipped_steps`` must be 0.
 
 Per variant: ``warmup`` + ``settle`` untimed steps (to enter the compression stage / phase B
 with the local interval at ``local_step_clipper``, and PowerSGD's compressed stage), then
@@ -35,6 +54,7 @@ or locally on forked ranks: ``python -m experiments.tcp.bench --world-size 4``.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import pathlib
 import statistics
@@ -60,6 +80,12 @@ TCP_VARIANTS = (
     "OnebitLamb",
     "OnebitAdam-overlap",
     "DDP-OnebitAdam",
+    "OnebitLamb-overlap",
+    "ZeroOneAdam-overlap",
+    "ZeroOneAdam-1bitA",
+    "ZeroOneAdam-1bitA-overlap",
+    "ZeroOneAdam-syncB",
+    "ZeroOneAdam-syncB-overlap",
 )
 
 
@@ -121,6 +147,25 @@ def _model_and_data(
     return model, x, y, F.mse_loss
 
 
+def _digest(model: nn.Module) -> tuple[str, bool]:
+    """sha256 of this rank's parameters (rank 0's, hex) and whether every rank has the same."""
+    h = hashlib.sha256()
+    for p in model.parameters():
+        h.update(p.detach().contiguous().numpy().tobytes())
+    word = torch.tensor([int.from_bytes(h.digest()[:8], "little", signed=True)])
+    words = [torch.zeros_like(word) for _ in range(dist.get_world_size())]
+    dist.all_gather(words, word)
+    return h.hexdigest()[:16], all(int(w) == int(word) for w in words)
+
+
+def _rounds(optimizer: Any) -> tuple[int, int] | None:
+    """(full-precision, compressed) rounds so far of a commopt optimizer, else None."""
+    if not hasattr(optimizer, "comm_stats"):
+        return None
+    s = optimizer.comm_stats()
+    return s["full_precision_rounds"], s["compressed_rounds"]
+
+
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     """Run on every rank: each variant's mean step time and traffic (rank 0's dict)."""
     rank, n = dist.get_rank(), dist.get_world_size()
@@ -148,6 +193,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         seconds0 = dict(setup.seconds)
         thread = getattr(getattr(setup.optimizer, "_hooks", None), "_thread", None)
         busy0 = thread.busy_seconds if thread is not None else 0.0
+        rounds0 = _rounds(setup.optimizer)
         step_s, forward_s = [], 0.0
         t0 = time.perf_counter()
         for _ in range(args.measure):
@@ -160,6 +206,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         setup.close()
+        rounds1 = _rounds(setup.optimizer)
+        digest, identical = _digest(model)
         skipped = 0
         if hasattr(setup.optimizer, "comm_stats"):
             skipped = setup.optimizer.comm_stats()["skipped_steps"]
@@ -171,6 +219,11 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             "bytes_per_step": (setup.bytes_sent - b0) / args.measure,
             "collectives_per_step": (setup.collectives - c0) / args.measure,
             "stage": setup.stage(hp.steps, hp),
+            # what the timed window held (commopt variants; DDP: 0, 0)
+            "timed_fp32_rounds": None if rounds1 is None else rounds1[0] - rounds0[0],
+            "timed_1bit_rounds": None if rounds1 is None else rounds1[1] - rounds0[1],
+            "param_digest": digest,
+            "replicas_identical": identical,
             # where a step's time goes, on rank 0: forward, backward (DDP: with its
             # all-reduce; overlap: with the folds), step() (overlap: the wait for the thread),
             # and the communication thread's busy time
@@ -181,16 +234,31 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 1e3 * (thread.busy_seconds - busy0) / args.measure if thread is not None else None
             ),
         }
+        off = results["variants"].get(label.removesuffix("-overlap"))
+        if label.endswith("-overlap") and off is not None:
+            entry["same_as_off"] = digest == off["param_digest"]
         results["variants"][label] = entry
         if rank == 0 and args.progress:
             print(
                 f"  {label:<13} {entry['mean_ms']:9.1f} ms/step (median {entry['median_ms']:.1f})"
-                f"  {entry['bytes_per_step'] / 1e6:8.2f} MB/step/rank [{entry['stage']}]",
+                f"  {entry['bytes_per_step'] / 1e6:8.2f} MB/step/rank [{entry['stage']}]"
+                f" replicas identical {identical}"
+                + (f", same as off {entry['same_as_off']}" if "same_as_off" in entry else ""),
                 flush=True,
             )
         del setup, model
     results["world_size"] = n
     return results
+
+
+def _rounds_text(e: dict[str, Any]) -> str:
+    if e.get("timed_fp32_rounds") is None:
+        return "-"
+    return f"{e['timed_fp32_rounds']} / {e['timed_1bit_rounds']}"
+
+
+def _yes_no(flag: bool | None) -> str:
+    return "-" if flag is None else ("yes" if flag else "**NO**")
 
 
 def report(results: dict[str, Any], args: argparse.Namespace, machine: str) -> str:
@@ -208,7 +276,7 @@ def report(results: dict[str, Any], args: argparse.Namespace, machine: str) -> s
             f"WideMLP {args.width}→{args.hidden}(×{args.depth + 1})→{args.width}, "
             f"{results['numel']:,} parameters, batch {args.batch}/rank"
         )
-    bucket = f"; OnebitAdam bucket_numel {args.bucket_numel}" if args.bucket_numel else ""
+    bucket = f"; commopt bucket_numel {args.bucket_numel}" if args.bucket_numel else ""
     lines = [
         f"{args.label}: {results['world_size']} ranks, {model}{bucket}; warmup {args.warmup} + "
         f"{args.settle} untimed steps, "
@@ -218,8 +286,9 @@ def report(results: dict[str, Any], args: argparse.Namespace, machine: str) -> s
         "",
         "| variant | stage timed | mean ms/step | median ms/step | speed-up vs DDP-fp32 "
         "| speed-up vs DDP-fp16 | MB sent/step/rank | collectives/step "
-        "| forward / backward / step() ms (rank 0) | comm thread busy ms |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| forward / backward / step() ms (rank 0) | comm thread busy ms "
+        "| timed fp32 / 1-bit rounds | replicas identical | overlap = off bits |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for label, e in v.items():
         r32 = f"{fp32 / e['mean_ms']:.2f}x" if fp32 else "-"
@@ -234,7 +303,9 @@ def report(results: dict[str, Any], args: argparse.Namespace, machine: str) -> s
             f"| {label} | {e['stage']} | {e['mean_ms']:.1f} | {e['median_ms']:.1f} | {r32} "
             f"| {r16} | {mb} | {e['collectives_per_step']:.2f} "
             f"| {e['forward_ms']:.0f} / {e['backward_ms']:.0f} / {e['optimizer_step_ms']:.0f} "
-            f"| {'-' if busy is None else f'{busy:.0f}'} |"
+            f"| {'-' if busy is None else f'{busy:.0f}'} "
+            f"| {_rounds_text(e)} "
+            f"| {_yes_no(e.get('replicas_identical'))} | {_yes_no(e.get('same_as_off'))} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -254,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--ff", type=int, default=2048)
     parser.add_argument("--vocab", type=int, default=8192)
-    parser.add_argument("--bucket-numel", type=int, default=None, help="OnebitAdam's buckets")
+    parser.add_argument("--bucket-numel", type=int, default=None, help="commopt buckets")
     parser.add_argument("--warmup", type=int, default=3, help="freeze step of the compressed")
     parser.add_argument("--settle", type=int, default=6, help="untimed steps after warmup")
     parser.add_argument("--measure", type=int, default=16)

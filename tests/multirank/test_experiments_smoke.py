@@ -122,6 +122,8 @@ def test_tcp_bench_smoke(tmp_path: pathlib.Path) -> None:
         "4",
         "--local-step-clipper",
         "2",
+        "--bucket-numel",
+        "3000",  # several buckets, so the overlap variants start exchanges during backward
         "--out",
         str(out),
         "--json",
@@ -144,6 +146,23 @@ def test_tcp_bench_smoke(tmp_path: pathlib.Path) -> None:
     # Phase B with a local interval of 2: a sync every other step, nothing in between.
     assert v["ZeroOneAdam"]["bytes_per_step"] < v["OnebitAdam"]["bytes_per_step"]
     assert all(e["mean_ms"] > 0 for e in v.values())
+    # overlap on gives the same bits as off, for every optimizer and phase timed
+    overlap = [label for label in v if label.endswith("-overlap")]
+    assert len(overlap) == 5
+    assert all(v[label]["same_as_off"] is True for label in overlap)
+    # replicas agree after the timed steps, except 0/1 Adam between its syncs (interval 2)
+    for label, e in v.items():
+        assert e["skipped_steps"] == 0, label
+        if not label.startswith("ZeroOneAdam") or "1bitA" in label or "syncB" in label:
+            assert e["replicas_identical"] is True, label
+    # phases: 1bitA stays in phase A and sends 1-bit rounds; syncB syncs at every timed step
+    assert v["ZeroOneAdam-1bitA"]["stage"] == "phaseA"
+    assert v["ZeroOneAdam-1bitA"]["timed_1bit_rounds"] > 0
+    assert v["ZeroOneAdam-syncB"]["stage"] == "phaseB"
+    # (one 1-bit round per bucket and step, as 1-bit Adam's compression stage)
+    assert v["ZeroOneAdam-syncB"]["timed_1bit_rounds"] == v["OnebitAdam"]["timed_1bit_rounds"] > 0
+    assert v["ZeroOneAdam-syncB"]["timed_fp32_rounds"] == 0
+    assert v["OnebitLamb-overlap"]["timed_1bit_rounds"] == v["OnebitLamb"]["timed_1bit_rounds"]
 
 
 @pytest.mark.timeout(240)
