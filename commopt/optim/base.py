@@ -222,6 +222,8 @@ class CompressedOptimizer(BackwardWork, ConfigAttributes, torch.optim.Optimizer)
         finally:
             if self._early is not None:  # taken or skipped: nothing staged survives the step
                 self._early.clear()
+            for state in self._layout.states or []:  # scratch is dead once the step is over
+                state.release_scratch()
 
     def _agree_and_step(
         self, step: int, params: list[torch.Tensor], states: list[FlatState], loss: float | None

@@ -12,6 +12,7 @@ caller has to remember to say that v changed.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Mapping, MutableMapping
 from typing import Any
 
@@ -20,7 +21,15 @@ import torch
 from commopt.buckets import Bucket
 from commopt.optim.adam_math import denominator_
 
-__all__ = ["FlatState"]
+__all__ = ["FlatState", "poison_scratch"]
+
+
+def poison_scratch() -> bool:
+    """Whether scratch buffers are debug-poisoned (``COMMOPT_POISON_SCRATCH=1``): created full
+    of NaN and dropped after every step on every device, with nothing derived from them kept
+    between steps, so a CPU run reads scratch exactly as a GPU run does and any value read from
+    a buffer no one wrote this step turns into NaN (tests/multirank/test_device_logic_gloo.py)."""
+    return os.environ.get("COMMOPT_POISON_SCRATCH", "") not in ("", "0")
 
 
 class FlatState:
@@ -66,6 +75,9 @@ class FlatState:
             name: torch.zeros(numel, device=bucket.device) for name, numel in comm_numels.items()
         }
         self._scratch: dict[str, torch.Tensor] = {}
+        self._poison = poison_scratch()
+        # Kept between steps on CPU (see scratch()); dropped by release_scratch() elsewhere.
+        self._keep_scratch = bucket.device.type == "cpu" and not self._poison
         self._denominator_key: tuple | None = None
         self._zero_variance_key: int | None = None
         self._zero_variance: torch.Tensor | None = None
@@ -91,22 +103,38 @@ class FlatState:
         return self.flat[key]
 
     def scratch(self, name: str) -> torch.Tensor:
-        """A flat fp32 work buffer of the bucket's size (contents undefined; not state).
+        """A flat fp32 work buffer of the bucket's size, named ``name`` (not state).
 
-        On CPU it is kept from step to step: allocated afresh, a buffer of tens of MB comes
-        from the OS as new pages, zeroed on first touch, which costs more than the pass that
-        fills it (a 100 MB gradient copy measured 71 ms into a fresh buffer, 22 ms into a kept
-        one, on this project's CPU). On other devices it is allocated per call: CUDA's caching
-        allocator makes that cheap, and gives the memory to activations between steps, where a
-        kept buffer would stay resident through forward and backward.
+        The same buffer for the same name until :meth:`release_scratch`, on every device: an
+        algorithm may write m_prev into ``scratch("work")`` in one method and read it in the
+        next. Its contents are undefined when first handed out in a step.
+
+        ``step()`` releases scratch when it ends. On CPU the buffers are kept all the same:
+        allocated afresh, a buffer of tens of MB comes from the OS as new pages, zeroed on first
+        touch, which costs more than the pass that fills it (a 100 MB gradient copy measured
+        71 ms into a fresh buffer, 22 ms into a kept one, on this project's CPU). On other
+        devices they are dropped: CUDA's caching allocator makes a new one cheap, and gives the
+        memory to activations between steps, where a kept buffer would stay resident through
+        forward and backward.
         """
-        bucket = self.bucket
-        if bucket.device.type != "cpu":
-            return torch.empty(bucket.numel, device=bucket.device)
         buf = self._scratch.get(name)
         if buf is None:
-            buf = self._scratch[name] = torch.empty(bucket.numel, device=bucket.device)
+            bucket = self.bucket
+            if self._poison:
+                buf = torch.full((bucket.numel,), float("nan"), device=bucket.device)
+            else:
+                buf = torch.empty(bucket.numel, device=bucket.device)
+            self._scratch[name] = buf
         return buf
+
+    def release_scratch(self) -> None:
+        """End of a step: scratch contents are dead. Dropped on non-CPU devices (and always
+        when poisoned, see :func:`poison_scratch`), together with what was derived from them."""
+        if self._keep_scratch:
+            return
+        self._scratch.clear()
+        self._denominator_key = None
+        self._guard_base_key = None
 
     def gather_grads(self, out: torch.Tensor) -> torch.Tensor:
         """Copy this rank's gradients into ``out`` (flat fp32); a missing gradient counts as 0."""
@@ -133,13 +161,14 @@ class FlatState:
         """d = √v / b + ε over the bucket, segment by segment (read-only; v = ``exp_avg_sq``).
 
         Kept on CPU and rebuilt only when v, b or ε change: in the compression stages v is
-        frozen, and rebuilding d would be three passes over the model every step. Computed per
-        call into a fresh buffer on other devices (see :meth:`scratch`).
+        frozen, and rebuilding d would be three passes over the model every step. Computed
+        once per step on other devices, where scratch does not outlive the step
+        (:meth:`scratch`).
         """
         v = self.flat["exp_avg_sq"]
         key = (v._version, tuple(bias_sqrt), tuple(eps))
         d = self.scratch("denominator")
-        if self.bucket.device.type == "cpu" and self._denominator_key == key:
+        if self._denominator_key == key:
             return d
         for seg, b, e in zip(self.bucket.segments, bias_sqrt, eps, strict=True):
             denominator_(d[seg.start : seg.stop], v[seg.start : seg.stop], b, e)
@@ -201,12 +230,12 @@ class FlatState:
 
         On CPU it is kept and refilled from d only when d was rebuilt (v, b or ε changed), so
         the compression stage does not copy the whole bucket every step; the guard's elements
-        are a function of v, so every step rewrites the same ones. On other devices it is a
-        fresh copy per call (see :meth:`scratch`).
+        are a function of v, so every step rewrites the same ones. On other devices it is
+        refilled once per step (see :meth:`scratch`).
         """
         buf = self.scratch("guarded denominator")
         key = self._denominator_key
-        if self.bucket.device.type != "cpu" or key is None or self._guard_base_key != key:
+        if key is None or self._guard_base_key != key:
             buf.copy_(d)
             self._guard_base_key = key
         return buf
