@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 
 from commopt.comm.base import CommStats, ReduceOp, check_equal_split
+from commopt.comm.torch_compat import all_gather_flat
 
 __all__ = ["TorchBackend"]
 
@@ -99,14 +100,18 @@ class TorchBackend:
     ) -> torch.futures.Future[torch.Tensor]:
         check_equal_split(op, out, t, self.world_size)
         self.stats.record(op, t.numel() * t.element_size(), self.world_size)
-        start = dist.all_gather_single if op == "all_gather" else dist.all_to_all_single
-        work = start(out.view(-1), t.reshape(-1), group=self.group, async_op=True)
+        if op == "all_gather":
+            work = all_gather_flat(out.view(-1), t.reshape(-1), self.group, async_op=True)
+        else:
+            work = dist.all_to_all_single(
+                out.view(-1), t.reshape(-1), group=self.group, async_op=True
+            )
         return _completes_with(work, out)
 
     def all_gather(self, out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         check_equal_split("all_gather", out, t, self.world_size)
         self.stats.record("all_gather", t.numel() * t.element_size(), self.world_size)
-        dist.all_gather_single(out.view(-1), t.reshape(-1), group=self.group)
+        all_gather_flat(out.view(-1), t.reshape(-1), self.group)
         return out
 
     def all_to_all(self, out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
