@@ -67,6 +67,7 @@ import torch
 import torch.distributed as dist
 
 from commopt.comm import all_reduce_async
+from commopt.comm.handoff import completed_future, device_future
 from commopt.optim.base import CompressedOptimizer
 from commopt.optim.early import AVERAGE, GRADIENT, MOMENTUM
 
@@ -140,12 +141,6 @@ class OnebitHookState:
         self.optimizer = None
 
 
-def _completed(t: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
-    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-    fut.set_result(t)
-    return fut
-
-
 @torch.no_grad()
 def onebit_hook(
     state: OnebitHookState, bucket: dist.GradBucket
@@ -202,15 +197,22 @@ def onebit_hook(
         fut = all_reduce_async(opt.backend, copy, "avg")
         pending.append((fut, [(slices[i], slices[i].start, params[i].numel()) for i in foreign]))
     if not pending:
-        return _completed(buffer)
-    # 4.
+        return completed_future(buffer)  # written on this (backward's) stream
+    # 4. DDP waits on ``result`` and reads the bucket on its stream: each average is waited
+    # for on the stream that copies it, and ``result`` records that stream (comm.handoff).
+    result = device_future(buffer.device)
 
-    def finish(fut: torch.futures.Future[Any]) -> torch.Tensor:
+    def finish(fut: torch.futures.Future[Any]) -> None:
         del fut
-        for done, spans in pending:
-            averaged = done.value()
-            for where, at, numel in spans:
-                buffer[where].copy_(averaged[at : at + numel])
-        return buffer
+        try:
+            for done, spans in pending:
+                averaged = done.wait()
+                for where, at, numel in spans:
+                    buffer[where].copy_(averaged[at : at + numel])
+        except Exception as err:  # DDP waits on ``result``: never leave it pending
+            result.set_exception(err)
+            return
+        result.set_result(buffer)
 
-    return torch.futures.collect_all([f for f, _ in pending]).then(finish)
+    torch.futures.collect_all([f for f, _ in pending]).add_done_callback(finish)
+    return result

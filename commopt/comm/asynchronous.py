@@ -15,8 +15,9 @@ SingleProcessBackend): the same result, bit for bit, only without overlap. Calle
 hook, the optimizers' overlap, the pipelined compressed allreduce) therefore need one code path.
 
 Rules for callers: start collectives in the same order on every rank; do not read or write a
-collective's tensors until its future has completed; a future's ``wait()`` re-raises what the
-collective raised.
+collective's tensors until its future has completed, and on a GPU order the reading stream
+after it with ``wait()`` (:mod:`commopt.comm.handoff`); a future's ``wait()`` re-raises what
+the collective raised.
 
 Who holds the GIL, so that a communication thread lets the main thread's backward run
 (measured by ``tests/unit/test_kernels_nogil.py``, ``tests/multirank/test_async_gloo.py`` and
@@ -43,14 +44,9 @@ from __future__ import annotations
 import torch
 
 from commopt.comm.base import Backend, ReduceOp
+from commopt.comm.handoff import completed_future
 
 __all__ = ["all_gather_async", "all_reduce_async", "all_to_all_async"]
-
-
-def _completed(value: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
-    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-    fut.set_result(value)
-    return fut
 
 
 def _start(backend: Backend, op: str, *args: object) -> torch.futures.Future[torch.Tensor]:
@@ -58,7 +54,7 @@ def _start(backend: Backend, op: str, *args: object) -> torch.futures.Future[tor
     start = getattr(backend, f"{op}_async", None)
     if start is not None:
         return start(*args)
-    return _completed(getattr(backend, op)(*args))
+    return completed_future(getattr(backend, op)(*args))
 
 
 def all_reduce_async(

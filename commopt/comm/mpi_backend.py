@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from commopt.comm.base import CommStats, ReduceOp, check_equal_split
+from commopt.comm.handoff import completed_future, device_future
 
 __all__ = ["MpiBackend"]
 
@@ -76,12 +77,6 @@ def _wire(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _completed(value: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
-    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-    fut.set_result(value)
-    return fut
-
-
 class _Progress:
     """A daemon thread that waits on MPI requests in posting order and completes their futures.
 
@@ -96,8 +91,12 @@ class _Progress:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
 
-    def submit(self, request: Any, finish: Callable[[], Any]) -> torch.futures.Future:
-        fut: torch.futures.Future = torch.futures.Future()
+    def submit(
+        self, request: Any, finish: Callable[[], Any], device: torch.device
+    ) -> torch.futures.Future:
+        # CUDA-aware on a device: finish() runs on this thread's stream, set_result records
+        # an event there and the consumer's wait() orders its stream after it (comm.handoff).
+        fut: torch.futures.Future = device_future(device)
         with self._lock:
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(
@@ -242,14 +241,14 @@ class MpiBackend:
         """:meth:`all_reduce` as ``Iallreduce``; the future completes with ``t`` reduced in place
         (for ``"avg"``: the sum, then the same division by ``world_size``)."""
         if not self._posts_directly(t) or t.dtype in _HALF:
-            return _completed(self.all_reduce(t, op))
+            return completed_future(self.all_reduce(t, op))
         self._check_reduction(t, op)
         self.stats.record("all_reduce", t.numel() * t.element_size(), self.world_size)
         mpi_op = self._bool_ops[op] if t.dtype == torch.bool else self._reduce_ops[op]
         self._ready(t)
         request = self.comm.Iallreduce(self._mpi.IN_PLACE, _wire(t), op=mpi_op)
         n = self.world_size
-        return self._progress.submit(request, lambda: t.div_(n) if op == "avg" else t)
+        return self._progress.submit(request, lambda: t.div_(n) if op == "avg" else t, t.device)
 
     def all_gather_async(
         self, out: torch.Tensor, t: torch.Tensor
@@ -267,13 +266,14 @@ class MpiBackend:
         self, op: str, out: torch.Tensor, t: torch.Tensor
     ) -> torch.futures.Future[torch.Tensor]:
         if not self._posts_directly(t, out):
-            return _completed(getattr(self, op)(out, t))
+            return completed_future(getattr(self, op)(out, t))
         check_equal_split(op, out, t, self.world_size)
         self.stats.record(op, t.numel() * t.element_size(), self.world_size)
         self._ready(t, out)
         start = self.comm.Iallgather if op == "all_gather" else self.comm.Ialltoall
         request = start(_wire(t), _wire(out))
-        return self._progress.submit(request, lambda: (t, out)[1])  # keeps t alive until done
+        # the lambda keeps t alive until MPI is done with it
+        return self._progress.submit(request, lambda: (t, out)[1], out.device)
 
     def broadcast(self, t: torch.Tensor, src: int = 0) -> torch.Tensor:
         if not 0 <= src < self.world_size:

@@ -50,6 +50,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from commopt.comm.handoff import device_future
 from commopt.compressed import NonFiniteError
 from commopt.optim.exchange_schedule import ExchangeSchedule
 from commopt.optim.flat_state import FlatState
@@ -208,8 +209,8 @@ class EarlyWork:
                 st.arrived.clear()
                 st.averaged.clear()
                 st.future = None
-            if st.future is None:
-                st.future = torch.futures.Future()
+            if st.future is None:  # completed on the stream that averaged (comm.handoff)
+                st.future = device_future(state.bucket.device)
             buf = self._buffers.gradient(state)
             start, numel = state.bucket.offsets[i], p.numel()
             buf[start : start + numel].copy_(g.reshape(-1))
@@ -254,8 +255,8 @@ class EarlyWork:
         started = all_reduce_async(backend, buf, "avg")
 
         def done(fut: torch.futures.Future[torch.Tensor]) -> None:
-            try:
-                placeholder.set_result(fut.value())
+            try:  # (inside a done callback torch has ordered this stream after ``fut``)
+                placeholder.set_result(fut.wait())
             except Exception as err:  # DDP waits on the placeholder: never leave it pending
                 placeholder.set_exception(err)
 
