@@ -54,14 +54,19 @@ def _worker(rank: int, n: int, path: str, fn: Callable, args: tuple, queue: Any)
             dist.destroy_process_group()
 
 
-def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 60.0) -> list[Any]:
+def run_ranks(
+    fn: Callable, world_size: int, *args: Any, timeout: float = 60.0, start: str = "fork"
+) -> list[Any]:
     """Run ``fn(backend, *args)`` on ``world_size`` forked gloo ranks; return results by rank.
+
+    ``start="spawn"`` starts fresh interpreters instead (CUDA cannot be used in a forked child
+    of a process that touched it; ``fn`` must then be importable by name).
 
     Raises:
         RankError: some rank raised (all messages included).
         TimeoutError: some rank did not finish within ``timeout`` seconds.
     """
-    ctx = mp.get_context("fork")
+    ctx = mp.get_context(start)
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "store")
