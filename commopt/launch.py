@@ -14,7 +14,6 @@ import datetime
 import logging
 import math
 import socket
-import warnings
 from collections.abc import Iterable
 from typing import Literal
 
@@ -167,11 +166,8 @@ def init(
     if device.type == "cuda":
         torch.cuda.set_device(device)
 
-    if dist.is_initialized():
-        warnings.warn(
-            "torch.distributed is already initialized; commopt uses its default group",
-            stacklevel=2,
-        )
+    if dist.is_initialized():  # the user's own group: supported, used as it is
+        logger.info("torch.distributed is already initialized; commopt uses its default group")
     elif info.world_size == 1:
         chosen = SingleProcessBackend()
         set_default_backend(chosen)
@@ -212,34 +208,42 @@ _shutdown_registered = False
 
 
 def _shutdown_at_exit() -> None:
-    """Register :func:`shutdown` with ``atexit`` (once): the group init() made is destroyed
-    before interpreter teardown even if the script never calls shutdown()."""
+    """Register :func:`_destroy_at_exit` with ``atexit`` (once): the group init() made is
+    destroyed before interpreter teardown even if the script never calls shutdown()."""
     global _shutdown_registered
     if not _shutdown_registered:
-        atexit.register(shutdown)
+        atexit.register(_destroy_at_exit)
         _shutdown_registered = True
 
 
-def shutdown() -> None:
-    """End what :func:`init` started; call it on every rank when training is over.
-
-    Stops (and joins) the watchdog threads, destroys torch.distributed's default group if
-    :func:`init` created it (one you created yourself is left to you), and clears the default
-    backend. Safe to call more than once, and without :func:`init`. Collectives after it need
-    a new :func:`init`.
-
-    Why it matters: a process that reaches interpreter teardown with the process group alive
-    can die there with SIGABRT ("terminate called without an active exception": gloo's threads
-    destroyed while joinable; seen in 1 of 10 two-rank runs on this project's machine). So
-    :func:`init` also registers this function with ``atexit`` when it creates the group, and a
-    script that forgets it still tears down in order: watchdog first, then the process group,
-    then exit. The explicit call makes that order independent of other ``atexit`` hooks.
-    """
+def _destroy_at_exit() -> None:
     global _owns_process_group
     close_watchdogs()
     if _owns_process_group and dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
     _owns_process_group = False
+    set_default_backend(None)
+
+
+def shutdown() -> None:
+    """End what :func:`init` started; call it on every rank when training is over.
+
+    Stops (and joins) the watchdog threads and clears the default backend. Safe to call more
+    than once, without :func:`init`, and before or after your own
+    ``torch.distributed.destroy_process_group()``: the default group :func:`init` created is
+    left alive for that call, and destroyed at interpreter exit if nobody destroyed it (one
+    you created yourself is left to you). Collectives through commopt after it need a new
+    :func:`init`.
+
+    Why it matters: a process that reaches interpreter teardown with the process group alive
+    can die there with SIGABRT ("terminate called without an active exception": gloo's threads
+    destroyed while joinable; seen in 1 of 10 two-rank runs on this project's machine). So
+    :func:`init` registers an ``atexit`` hook when it creates the group, and a script tears
+    down in order whatever it calls: watchdog first, then the process group, then exit. (Until
+    0.2, shutdown() destroyed the group itself, and the common ``dist.destroy_process_group()``
+    after it then failed with "Process group cannot be None".)
+    """
+    close_watchdogs()
     set_default_backend(None)
 
 

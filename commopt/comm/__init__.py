@@ -53,6 +53,9 @@ def resolve_backend(backend: Backend | None = None) -> Backend:
     an MPI launcher; otherwise a world of one process. A backend object is returned as it is.
 
     Raises:
+        RuntimeError: ``WORLD_SIZE`` > 1 (torchrun's variable) but no process group exists and
+            no MPI launcher started this process: commopt would train this rank alone (an
+            addition to SPEC §5, whose last rule is a world of one).
         TypeError: ``backend`` is a string or path. A selection table does not make a backend
             by itself (building one is collective); build it explicitly with
             ``MixedBackend.from_table(path)`` on every rank and pass that.
@@ -81,4 +84,19 @@ def resolve_backend(backend: Backend | None = None) -> Backend:
         if not isinstance(_implicit, MpiBackend):
             _implicit = MpiBackend()
         return _implicit
+    _refuse_a_lone_rank()
     return SingleProcessBackend()
+
+
+def _refuse_a_lone_rank() -> None:
+    """A launcher started several ranks but none can reach the others: training on alone would
+    give every rank its own model, with exit code 0. Each rank finds this out by itself, so all
+    of them raise, and none waits for the others."""
+    size = os.environ.get("WORLD_SIZE", "1")
+    if size.isdigit() and int(size) > 1:
+        raise RuntimeError(
+            f"WORLD_SIZE={size} says this is one of {size} ranks, but torch.distributed is not "
+            "initialized, so commopt would train this rank alone: call commopt.init() (or "
+            "torch.distributed.init_process_group()) on every rank before the first step, or "
+            "pass backend= explicitly"
+        )

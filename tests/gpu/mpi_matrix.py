@@ -1,7 +1,8 @@
 """One rank of the GPU matrix over MPI (``MpiBackend``, CUDA tensors staged through host
-memory): ``mpiexec -n 4 python -m tests.gpu.mpi_matrix OUT`` writes every rank's results to OUT
-(rank 0); a second argument ``cpu`` runs it on CPU tensors instead. Standalone and ``overlap=True`` only: the DDP hook needs a torch.distributed group.
-Started by tests/gpu/test_multirank_gpu.py."""
+memory): ``mpiexec -n 4 python -m tests.gpu.mpi_matrix OUT`` writes every rank's results to
+OUT (rank 0); a second argument ``cpu`` runs it on CPU tensors instead. Standalone and
+``overlap=True`` only: the DDP hook needs a torch.distributed group. Started by
+tests/gpu/test_multirank_gpu.py."""
 
 from __future__ import annotations
 

@@ -135,3 +135,37 @@ def test_overlap_script_exits_zero_with_exchanges_in_flight(tmp_path):
     assert proc.returncode == 0, out[-4000:]
     assert proc.stdout.count("exit codes [0, 0]") == 10
     assert "terminate called" not in out
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize(
+    "ending",
+    [
+        "commopt.shutdown()\ntorch.distributed.destroy_process_group()",
+        "torch.distributed.destroy_process_group()\ncommopt.shutdown()",
+        "torch.distributed.destroy_process_group()",
+    ],
+    ids=["shutdown-then-destroy", "destroy-then-shutdown", "destroy-only"],
+)
+def test_teardown_in_either_order_exits_zero(tmp_path, ending):
+    # The usual dist.destroy_process_group() after commopt.shutdown() raised "Process group
+    # cannot be None" (exit code 1): shutdown() destroyed init()'s group itself.
+    script = README_SCRIPT.replace("commopt.shutdown()", ending)
+    proc = _run(tmp_path, script, 4)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert proc.stdout.count("exit codes [0, 0]") == 4
+    assert "terminate called" not in out
+
+
+@pytest.mark.timeout(900)
+def test_init_on_the_users_own_group_does_not_warn(tmp_path):
+    script = README_SCRIPT.replace(
+        "commopt.init()",
+        "import warnings\nwarnings.simplefilter('error')\n"
+        "torch.distributed.init_process_group('gloo')\ncommopt.init()",
+    ).replace("commopt.shutdown()", "commopt.shutdown()\ntorch.distributed.destroy_process_group()")
+    proc = _run(tmp_path, script, 2)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert proc.stdout.count("exit codes [0, 0]") == 2
