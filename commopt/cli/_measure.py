@@ -260,6 +260,7 @@ def add_sweep_arguments(p: Any, default_factor: int) -> None:
         "--backends",
         type=lambda s: parse_list(s, ("torch", "mpi"), "--backends"),
         default=None,
-        help="restrict to these backends (default: every available one)",
+        help="restrict to these backends, comma-separated: torch, mpi (default: every "
+        "available one)",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")

@@ -129,8 +129,9 @@ def run(args: argparse.Namespace) -> int:
                 bar.update()
             del case
     bar.close()
+    hosts = _host_count(first)
     if rank == 0:
-        print(report(rows, list(backends), n))
+        print(report(rows, list(backends), n, hosts))
         if args.csv:
             with open(args.csv, "w", newline="", encoding="utf-8") as f:
                 w = csv.DictWriter(f, fieldnames=list(rows[0]))
@@ -144,8 +145,30 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def report(rows: Sequence[Mapping[str, Any]], names: Sequence[str], world_size: int) -> str:
-    """The side-by-side text table, then the compressed-vs-dense speed-ups."""
+def _host_count(be: Backend) -> int:
+    """How many different hosts the ranks run on (one small all-gather of hostname hashes)."""
+    import socket
+    import zlib
+
+    mine = torch.tensor([zlib.crc32(socket.gethostname().encode())], dtype=torch.int64)
+    everyone = torch.empty(be.world_size, dtype=torch.int64)
+    be.all_gather(everyone, mine)
+    return len(set(everyone.tolist()))
+
+
+ONE_HOST_NOTE = (
+    "note: every rank runs on this one host, so these collectives cross loopback or shared "
+    "memory, not a network; the per-element CPU work dominates and the speed-ups above say "
+    "nothing about a cluster. Measure between hosts, or on an emulated slow link "
+    "(docs/performance.md)."
+)
+
+
+def report(
+    rows: Sequence[Mapping[str, Any]], names: Sequence[str], world_size: int, hosts: int = 0
+) -> str:
+    """The side-by-side text table, then the compressed-vs-dense speed-ups (and, when every
+    rank ran on one host, ``hosts == 1``, a note that they are not network figures)."""
     import socket
 
     out = [
@@ -181,6 +204,8 @@ def report(rows: Sequence[Mapping[str, Any]], names: Sequence[str], world_size: 
                 d, c = dense[size].get(name), comp[size].get(name)
                 parts.append(f"| {d['seconds'] / c['seconds']:8.2f}x" if d and c else f"| {'-':>9}")
             out.append(f"{m.human_bytes(size):>9} " + " ".join(parts))
+        if hosts == 1:
+            out += ["", ONE_HOST_NOTE]
     return "\n".join(out)
 
 

@@ -15,6 +15,8 @@ import sys
 from collections.abc import Sequence
 from types import ModuleType
 
+from commopt._version import __version__
+
 __all__ = ["SUBCOMMANDS", "main", "register"]
 
 #: name → module implementing it
@@ -65,6 +67,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         epilog=_EPILOG,
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    parser.add_argument("--version", action="version", version=f"commopt {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     wanted = next((a for a in argv if not a.startswith("-")), None)

@@ -18,3 +18,39 @@ def test_help_says_tune_and_bench_need_a_launcher(capsys):
     assert "scripts/mpi_env.sh" in out
     for name in ("tune", "bench"):
         assert f"(run under a launcher: mpirun -n 4 commopt {name}" in out
+
+
+def test_version(capsys):
+    import commopt
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"commopt {commopt.__version__}"
+
+
+@pytest.mark.parametrize("command", ["tune", "bench"])
+def test_backends_option_lists_its_choices(capsys, command):
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--backends BACKENDS restrict to these backends, comma-separated: torch, mpi" in out
+
+
+def test_bench_report_says_when_every_rank_is_on_one_host():
+    from commopt.cli.bench import ONE_HOST_NOTE, report
+
+    rows = [
+        {
+            "op": op,
+            "dtype": "float32",
+            "bytes": 1024,
+            "backend": "torch",
+            "seconds": t,
+            "algbw_GBps": 1.0,
+            "busbw_GBps": 1.0,
+        }
+        for op, t in (("all_reduce", 2.0), ("compressed_allreduce", 1.0))
+    ]
+    assert ONE_HOST_NOTE in report(rows, ["torch"], 2, hosts=1)
+    assert ONE_HOST_NOTE not in report(rows, ["torch"], 2, hosts=2)
