@@ -41,7 +41,7 @@ from commopt.optim.overlap import BackwardWork, GradientHooks
 from commopt.optim.param_checks import check_param_group
 from commopt.optim.precision import master_weights, unscale_grads_
 from commopt.optim.resume import commopt_entry, keep_state_dtypes, split_commopt_entry
-from commopt.optim.user_warning import warn_skipped
+from commopt.optim.user_warning import warn_averaged_already, warn_skipped
 from commopt.optim.variance_guard import ZeroVarianceGuard, apply_exp_avg_mask_
 
 __all__ = ["TOPOLOGIES", "CompressedOptimizer"]
@@ -94,6 +94,7 @@ class CompressedOptimizer(BackwardWork, ConfigAttributes, torch.optim.Optimizer)
         self._zero_variance_guard = ZeroVarianceGuard(type(self).__name__)
         self._early: EarlyWork | None = None  # work started before step() (commopt.ddp)
         self._step_now = 0  # the step being taken (set by step())
+        self._ddp_checks_left = 2  # steps that still check for DDP's averaged gradients
         self._hooks = GradientHooks(self)  # overlap=True: work started from gradient hooks
         super().__init__(params, defaults)
 
@@ -229,7 +230,17 @@ class CompressedOptimizer(BackwardWork, ConfigAttributes, torch.optim.Optimizer)
         self, step: int, params: list[torch.Tensor], states: list[FlatState], loss: float | None
     ) -> float | None:
         collective = self._communicates(step)
-        verdict = self._agreement.verdict(self.backend, params, self.param_groups, collective)
+        # The first communicating steps also check whether the gradients are already identical
+        # on every rank: DDP without commopt's hook averaged them (all ranks agree on this).
+        digest = collective and self._early is None and self._ddp_checks_left > 0
+        verdict = self._agreement.verdict(
+            self.backend, params, self.param_groups, collective, digest
+        )
+        if digest:
+            self._ddp_checks_left -= 1
+            if verdict.identical:
+                self._ddp_checks_left = 0
+                warn_averaged_already(type(self).__name__, self.backend.rank)
         if verdict.nonfinite:
             self._skip(step, "non-finite gradient", collective)
             if not collective:  # a local step: the shared schedule still moves on

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["warn_at_caller", "warn_skipped"]
+__all__ = ["warn_at_caller", "warn_averaged_already", "warn_skipped"]
 
 _INTERNAL_DIRS = tuple(
     str(path) + os.sep
@@ -39,3 +39,19 @@ def warn_skipped(name: str, step: int, why: str, collective: bool, rank: int) ->
             "the replicas"
         )
     warn_at_caller(f"{name}: {what}")
+
+
+def warn_averaged_already(name: str, rank: int) -> None:
+    """On rank 0: the gradients were already bit-identical on every rank before optimizer
+    ``name`` communicated, which is what a DistributedDataParallel model without commopt's
+    communication hook hands it."""
+    if rank != 0:
+        return
+    warn_at_caller(
+        f"{name}: the gradients are already identical on every rank before it communicates. "
+        "Is the model wrapped in DistributedDataParallel without commopt's hook? DDP then "
+        "averages every gradient in full precision and the optimizer exchanges them again: more "
+        "traffic than DDP alone, and not the optimizer's algorithm. Register the hook: "
+        "model.register_comm_hook(commopt.ddp.OnebitHookState(optimizer), "
+        "commopt.ddp.onebit_hook). (If every rank really trains on the same data, ignore this.)"
+    )
