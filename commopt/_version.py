@@ -1,3 +1,3 @@
 """The version, in a module of its own so that modules inside the package can read it."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

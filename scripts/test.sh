@@ -14,3 +14,6 @@ ruff format --check commopt tests experiments examples
 python -m pytest -q -p no:cacheprovider
 # Every MPI test runs inside this one 4-rank job; a hung job is killed, never waited on.
 timeout 600 mpiexec -n 4 python -u -m pytest -q -p no:cacheprovider --color=no tests/multirank/mpi
+# The release: sdist and wheel built and checked, the wheel installed in a fresh venv, the
+# README's "Use" snippet run from it on 2 ranks.
+bash scripts/check_release.sh

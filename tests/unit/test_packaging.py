@@ -34,3 +34,11 @@ def test_mpi_and_cuda_extras_bring_their_libraries() -> None:
     extras = _project()["optional-dependencies"]
     assert "mpi4py" in _names(extras["mpi"])
     assert any(n.startswith("cupy") for n in _names(extras["cuda"]))
+
+
+def test_version_is_one_and_has_a_changelog_section() -> None:
+    import commopt
+
+    assert _project()["version"] == commopt.__version__
+    changelog = (_ROOT / "CHANGELOG.md").read_text()
+    assert f"## [{commopt.__version__}] - " in changelog
