@@ -21,6 +21,7 @@ An algorithm subclass names its flat keys and implements ``_step(step)``.
 from __future__ import annotations
 
 import copy
+import logging
 from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
 
@@ -45,6 +46,8 @@ from commopt.optim.user_warning import warn_averaged_already, warn_skipped
 from commopt.optim.variance_guard import ZeroVarianceGuard, apply_exp_avg_mask_
 
 __all__ = ["TOPOLOGIES", "CompressedOptimizer"]
+
+logger = logging.getLogger("commopt")
 
 TOPOLOGIES = ("flat", "hierarchical", "auto")
 
@@ -95,6 +98,7 @@ class CompressedOptimizer(BackwardWork, ConfigAttributes, torch.optim.Optimizer)
         self._early: EarlyWork | None = None  # work started before step() (commopt.ddp)
         self._step_now = 0  # the step being taken (set by step())
         self._ddp_checks_left = 2  # steps that still check for DDP's averaged gradients
+        self._compression_announced = False  # logged once, on rank 0
         self._hooks = GradientHooks(self)  # overlap=True: work started from gradient hooks
         super().__init__(params, defaults)
 
@@ -266,6 +270,14 @@ class CompressedOptimizer(BackwardWork, ConfigAttributes, torch.optim.Optimizer)
             with left_untouched([params[i] for i in verdict.without_grad], self.state):
                 with master_weights(states, self.state):
                     self._step(step)
+            if not self._compression_announced and self._comm.rounds["compressed"] > 0:
+                self._compression_announced = True
+                if self.backend.rank == 0:
+                    logger.info(
+                        "%s: compression started at step %d (1-bit exchanges from now on)",
+                        type(self).__name__,
+                        step,
+                    )
         except NonFiniteError:  # raised on every rank alike; the algorithm restored its state
             self.global_state["step"] = step - 1
             self._skip(step, "non-finite values to exchange", True)

@@ -11,6 +11,8 @@ another phase, so it raises unless ``allow_config_change=True`` is passed.
 from __future__ import annotations
 
 import dataclasses
+import os
+import warnings
 from typing import Any, TypeVar
 
 from commopt.freeze import AutoFreezeSettings, auto_settings
@@ -19,10 +21,12 @@ from commopt.optim.user_warning import warn_at_caller
 T = TypeVar("T")
 
 __all__ = [
+    "DEFAULT_FREEZE_STEP",
     "ConfigAttributes",
     "OnebitAdamConfig",
     "OnebitLambConfig",
     "ZeroOneAdamConfig",
+    "announce_default_freeze",
     "check_adam_arguments",
     "check_beta",
     "check_config_change",
@@ -59,6 +63,41 @@ _TRUST_RATIOS = ("frozen", "tracking", "max")
 #: A config field that takes ``"auto"`` or an AutoFreezeSettings as well as a fixed step.
 _AUTO_FREEZE = {"auto_freeze": True}
 _FREEZE_FORMS = "an int >= 1, 'auto' or a commopt.AutoFreezeSettings"
+
+
+class _DefaultFreezeStep(int):
+    """The constructors' default freeze step, 100000, told apart from a user's explicit
+    100000 (``is``) so that the default can be announced. Never stored: the config keeps a
+    plain int."""
+
+    def __repr__(self) -> str:
+        return "100000"
+
+
+#: ``freeze_step`` / ``var_freeze_step`` when the caller gives none
+DEFAULT_FREEZE_STEP = _DefaultFreezeStep(100_000)
+
+
+def announce_default_freeze(optimizer: str, field: str, value: object) -> object:
+    """``value`` as the config stores it; when it is the default, warn once per process, on
+    rank 0 as the launcher's variables say: 100000 full-precision steps mean no compression in
+    most fine-tuning runs (docs/optimizers.md, "Defaults")."""
+    if value is not DEFAULT_FREEZE_STEP:
+        return value
+    rank = os.environ.get("RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0"))
+    if rank == "0" and (optimizer, field) not in _announced:
+        _announced.add((optimizer, field))
+        warnings.warn(
+            f"{optimizer}: {field} was not given, so its default of 100000 applies: the first "
+            "100000 steps run uncompressed, i.e. no compression at all in most fine-tuning "
+            f"runs. Pass {field}=N (the papers freeze after 15-25 % of training) or "
+            f"{field}='auto' (the freeze chosen from the variance)",
+            stacklevel=3,
+        )
+    return int(value)
+
+
+_announced: set[tuple[str, str]] = set()
 
 
 def check_freeze_step(name: str, value: int | str | AutoFreezeSettings) -> None:

@@ -9,7 +9,13 @@ from commopt.comm import Backend
 from commopt.freeze import AutoFreezeSettings, VarianceLevel, auto_settings, variance_level
 from commopt.optim.adam_math import adam_update_, momentum_from_grads_, update_moments_
 from commopt.optim.base import CompressedOptimizer
-from commopt.optim.config import OnebitAdamConfig, check_adam_arguments, document_schedule
+from commopt.optim.config import (
+    DEFAULT_FREEZE_STEP,
+    OnebitAdamConfig,
+    announce_default_freeze,
+    check_adam_arguments,
+    document_schedule,
+)
 from commopt.optim.flat_state import FlatState
 from commopt.step_guard import guarded_denominator, guarded_elements, step_bound
 
@@ -131,7 +137,7 @@ class OnebitAdam(CompressedOptimizer):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 0.0,
-        freeze_step: int | str | AutoFreezeSettings = 100_000,
+        freeze_step: int | str | AutoFreezeSettings = DEFAULT_FREEZE_STEP,
         bias_correction: bool = True,
         backend: Backend | None = None,
         *,
@@ -144,7 +150,7 @@ class OnebitAdam(CompressedOptimizer):
     ) -> None:
         check_adam_arguments(lr, betas, eps, weight_decay)
         config = OnebitAdamConfig(
-            freeze_step=freeze_step,
+            freeze_step=announce_default_freeze("OnebitAdam", "freeze_step", freeze_step),
             error_feedback=error_feedback,
             econtrol_eta=econtrol_eta,
             step_guard=step_guard,

@@ -12,7 +12,13 @@ from commopt.compressed import NonFiniteError
 from commopt.freeze import AutoFreezeSettings, auto_settings, variance_level
 from commopt.optim.adam_math import update_moments_
 from commopt.optim.base import CompressedOptimizer
-from commopt.optim.config import OnebitLambConfig, check_adam_arguments, document_schedule
+from commopt.optim.config import (
+    DEFAULT_FREEZE_STEP,
+    OnebitLambConfig,
+    announce_default_freeze,
+    check_adam_arguments,
+    document_schedule,
+)
 from commopt.optim.flat_state import FlatState
 from commopt.optim.lamb_scaling import early_sigma, exchange_scaled_, freeze_scaling_coeffs
 from commopt.optim.per_tensor import per_tensor, scale_tensors_, tensor_norms, tensor_ranges
@@ -163,7 +169,7 @@ class OnebitLamb(CompressedOptimizer):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 0.0,
-        freeze_step: int | str | AutoFreezeSettings = 100_000,
+        freeze_step: int | str | AutoFreezeSettings = DEFAULT_FREEZE_STEP,
         max_coeff: float = 10.0,
         min_coeff: float = 0.01,
         coeff_beta: float = 0.9,
@@ -186,7 +192,7 @@ class OnebitLamb(CompressedOptimizer):
             error_feedback=error_feedback,
             econtrol_eta=econtrol_eta,
             step_guard=step_guard,
-            freeze_step=freeze_step,
+            freeze_step=announce_default_freeze("OnebitLamb", "freeze_step", freeze_step),
             max_coeff=max_coeff,
             min_coeff=min_coeff,
             coeff_beta=coeff_beta,

@@ -12,7 +12,13 @@ from commopt.compressed import NonFiniteError
 from commopt.freeze import AutoFreezeSettings, auto_settings, settled_step, variance_level
 from commopt.optim.adam_math import adam_update_, momentum_from_grads_, update_moments_
 from commopt.optim.base import CompressedOptimizer
-from commopt.optim.config import ZeroOneAdamConfig, check_adam_arguments, document_schedule
+from commopt.optim.config import (
+    DEFAULT_FREEZE_STEP,
+    ZeroOneAdamConfig,
+    announce_default_freeze,
+    check_adam_arguments,
+    document_schedule,
+)
 from commopt.optim.flat_state import FlatState
 from commopt.optim.variance_bias import (
     momentum_step_size,
@@ -166,7 +172,7 @@ class ZeroOneAdam(ZeroOneSync, ZeroOneSchedule, CompressedOptimizer):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 0.0,
-        var_freeze_step: int | str | AutoFreezeSettings = 100_000,
+        var_freeze_step: int | str | AutoFreezeSettings = DEFAULT_FREEZE_STEP,
         var_update_scaler: int = 16,
         local_step_scaler: int = 32768,
         local_step_clipper: int = 16,
@@ -185,7 +191,9 @@ class ZeroOneAdam(ZeroOneSync, ZeroOneSchedule, CompressedOptimizer):
             error_feedback=error_feedback,
             econtrol_eta=econtrol_eta,
             step_guard=step_guard,
-            var_freeze_step=var_freeze_step,
+            var_freeze_step=announce_default_freeze(
+                "ZeroOneAdam", "var_freeze_step", var_freeze_step
+            ),
             var_update_scaler=var_update_scaler,
             local_step_scaler=local_step_scaler,
             local_step_clipper=local_step_clipper,

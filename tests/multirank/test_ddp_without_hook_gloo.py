@@ -48,3 +48,36 @@ def test_ddp_without_the_hook_warns_once_on_rank_zero(name: str) -> None:
 def test_no_warning_with_the_hook_or_without_ddp(setup: str) -> None:
     for info in OPTIMIZERS:
         assert run_ranks(_train, 2, info.name, setup, timeout=120) == [[], []]
+
+
+def _compression_log(backend) -> list[str]:
+    import logging
+
+    records: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record.getMessage())
+
+    logger = logging.getLogger("commopt")
+    logger.addHandler(Keep())
+    logger.setLevel(logging.INFO)
+    info = next(i for i in OPTIMIZERS if i.name == "OnebitAdam")
+    torch.manual_seed(0)
+    model = torch.nn.Linear(5, 2)
+    opt = info.make(model.parameters(), backend=backend)
+    gen = torch.Generator().manual_seed(backend.rank)
+    for _ in range(info.steps):
+        opt.zero_grad()
+        model(torch.randn(4, 5, generator=gen)).square().mean().backward()
+        opt.step()
+    return [r for r in records if "compression started" in r]
+
+
+def test_compression_start_is_logged_once_on_rank_zero() -> None:
+    freeze = next(i for i in OPTIMIZERS if i.name == "OnebitAdam").config["freeze_step"]
+    got = run_ranks(_compression_log, 2, timeout=120)
+    assert got == [
+        [f"OnebitAdam: compression started at step {freeze + 1} (1-bit exchanges from now on)"],
+        [],
+    ]

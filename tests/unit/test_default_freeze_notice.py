@@ -1,0 +1,45 @@
+"""The default freeze step (100000 full-precision steps: no compression in most fine-tuning
+runs) is announced when the user leaves it out, and never when they give it."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import commopt
+from commopt.optim import config
+
+FIELDS = {
+    "OnebitAdam": "freeze_step",
+    "OnebitLamb": "freeze_step",
+    "ZeroOneAdam": "var_freeze_step",
+}
+
+
+@pytest.mark.parametrize("name", sorted(FIELDS))
+def test_the_default_is_announced_once_and_an_explicit_value_never(name, monkeypatch) -> None:
+    monkeypatch.setattr(config, "_announced", set())
+    monkeypatch.delenv("RANK", raising=False)
+    cls, field = getattr(commopt, name), FIELDS[name]
+    params = [torch.nn.Parameter(torch.zeros(3))]
+    with pytest.warns(
+        UserWarning, match=rf"{name}: {field} was not given, so its default of 100000"
+    ):
+        opt = cls(params)
+    assert type(opt.config.__dict__[field]) is int and getattr(opt, field) == 100_000
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cls(params)  # once per process
+        monkeypatch.setattr(config, "_announced", set())
+        cls(params, **{field: 100_000})
+        cls(params, **{field: "auto"})
+
+
+def test_only_rank_zero_announces(monkeypatch) -> None:
+    monkeypatch.setattr(config, "_announced", set())
+    monkeypatch.setenv("RANK", "1")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        commopt.OnebitAdam([torch.nn.Parameter(torch.zeros(3))])

@@ -1,0 +1,26 @@
+"""docs/optimizers.md opens with every constructor argument and its default, as the code has
+them: a row per argument, in signature order, with the default's repr."""
+
+from __future__ import annotations
+
+import inspect
+import re
+from pathlib import Path
+
+import pytest
+
+import commopt
+
+DOC = (Path(__file__).resolve().parents[2] / "docs/optimizers.md").read_text()
+
+
+@pytest.mark.parametrize("name", ["OnebitAdam", "OnebitLamb", "ZeroOneAdam"])
+def test_every_argument_and_default_is_in_the_table(name: str) -> None:
+    section = DOC.split(f"### `commopt.{name}`", 1)[1].split("\n### ", 1)[0].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| `(\w+)` \| `(.*?)` \|", section, re.M)
+    expected = [
+        (p.name, repr(p.default))
+        for p in inspect.signature(getattr(commopt, name)).parameters.values()
+        if p.name != "params"
+    ]
+    assert rows == expected
