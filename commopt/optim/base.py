@@ -306,7 +306,12 @@ class CompressedOptimizer(BackwardWork, ConfigAttributes, torch.optim.Optimizer)
         sd = super().state_dict()
         buckets = self._layout.comm_state_dicts()
         sd["commopt"] = commopt_entry(
-            self.config, self.global_state, self.backend, self.exchange.name, buckets
+            self.config,
+            self.global_state,
+            self.backend,
+            self.exchange.name,
+            buckets,
+            type(self).__name__,
         )
         return sd
 

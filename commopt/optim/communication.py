@@ -10,6 +10,7 @@ Every full-precision average and every compressed exchange is counted here, and
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -47,7 +48,7 @@ class Communication:
         #: full-precision averages and compressed exchanges taken so far
         self.rounds = {"full": 0, "compressed": 0}
         #: (‖e‖², ‖c‖²) of this rank's last compressed call (see :meth:`stats`)
-        self.last_compression: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.last_compression: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None
 
     @property
     def backend(self) -> Backend:
@@ -87,8 +88,15 @@ class Communication:
         if self.backend.world_size > 1:
             e = comm.get("worker_error")
             if track_error and s is not None and e is not None:
-                # e is now c − s·sgn(c); ‖c‖² = N·s² by the definition of s (s = ‖c‖/√N)
-                self.last_compression = (e.dot(e), s.double().square() * e.numel())
+                # e is now c − s·sgn(c); ‖c‖² = N·s² by the definition of s (s = ‖c‖/√N).
+                # e·e in fp32 costs one pass; it overflows for |e| near 1e18, and then stats()
+                # recomputes it in fp64 from e, if nothing has written e since.
+                self.last_compression = (
+                    e.dot(e),
+                    s.double().square() * e.numel(),
+                    e,
+                    e._version,
+                )
             self.rounds["compressed"] += 1
         return flat
 
@@ -105,8 +113,12 @@ class Communication:
         stats = self.backend.stats
         error = None
         if self.last_compression is not None:
-            e_sq, c_sq = (float(v) for v in self.last_compression)
-            error = (max(e_sq, 0.0) / c_sq) ** 0.5 if c_sq > 0 else 0.0
+            dot, c_sq_t, e, version = self.last_compression
+            e_sq, c_sq = float(dot), float(c_sq_t)
+            if not math.isfinite(e_sq) and e._version == version:
+                e_sq = float(torch.linalg.vector_norm(e, dtype=torch.float64)) ** 2
+            if math.isfinite(e_sq) and math.isfinite(c_sq):
+                error = (max(e_sq, 0.0) / c_sq) ** 0.5 if c_sq > 0 else 0.0
         return {
             "calls": stats.calls,
             "bytes_sent": stats.bytes_sent,

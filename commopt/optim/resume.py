@@ -31,10 +31,13 @@ def commopt_entry(
     backend: Backend,
     exchange_name: str,
     buckets: list[dict[str, Any]],
+    name: str,
 ) -> dict[str, Any]:
-    """The ``"commopt"`` entry of ``state_dict()``: the config, the shared schedule state, and
-    this rank's exchange buffers (``buckets``) with the rank and world size they belong to."""
+    """The ``"commopt"`` entry of ``state_dict()``: the optimizer class ``name``, the config,
+    the shared schedule state, and this rank's exchange buffers (``buckets``) with the rank and
+    world size they belong to."""
     return {
+        "optimizer": name,
         "config": dataclasses.asdict(config),
         "global": copy.deepcopy(global_state),
         "world_size": backend.world_size,
@@ -42,6 +45,21 @@ def commopt_entry(
         "exchange": exchange_name,
         "buckets": buckets,
     }
+
+
+def saved_optimizer(comm: dict[str, Any]) -> str | None:
+    """The class that saved a ``"commopt"`` entry: recorded since 0.2; before, told by the
+    config's fields (each optimizer's config has a field the others lack)."""
+    if "optimizer" in comm:
+        return comm["optimizer"]
+    fields = comm.get("config") or {}
+    if "var_freeze_step" in fields:
+        return "ZeroOneAdam"
+    if "max_coeff" in fields:
+        return "OnebitLamb"
+    if "freeze_step" in fields:
+        return "OnebitAdam"
+    return None
 
 
 def split_commopt_entry(
@@ -52,6 +70,13 @@ def split_commopt_entry(
     (:func:`~commopt.optim.config.check_config_change`)."""
     state_dict = dict(state_dict)
     comm = state_dict.pop("commopt", None)
+    saved_by = None if comm is None else saved_optimizer(comm)
+    if saved_by is not None and saved_by != name:
+        raise ValueError(
+            f"{name}.load_state_dict: this state dict was saved by {saved_by}, whose state "
+            f"(moments, schedule, exchange buffers) {name} cannot continue; load it into a "
+            f"{saved_by}, or start {name} from a fresh state"
+        )
     if comm is not None and "config" in comm:
         check_config_change(comm["config"], config, name, allow_config_change)
     return state_dict, comm
