@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from commopt.comm.base import CommStats, ReduceOp, check_equal_split
+from commopt.comm.channels import current_channel
 from commopt.comm.handoff import completed_future, device_future
 
 __all__ = ["MpiBackend"]
@@ -137,6 +138,7 @@ class MpiBackend:
         self.world_size = self.comm.Get_size()
         self.cuda_aware = cuda_aware
         self.stats = CommStats()
+        self._channels: dict[str, Any] = {}
         self._reduce_ops = {"sum": MPI.SUM, "avg": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
         # torch.distributed's convention for bool: sum/max = OR, min = AND (as 0/1 bytes).
         self._bool_ops = {"sum": MPI.MAX, "max": MPI.MAX, "min": MPI.MIN}
@@ -178,6 +180,18 @@ class MpiBackend:
                 f"{op}: MPI needs contiguous tensors; pass t.contiguous() and copy the result back"
             )
 
+    def open_channel(self, name: str) -> bool:
+        """Give channel ``name`` a duplicate of this communicator (``Dup``, collective over it;
+        :mod:`commopt.comm.channels`)."""
+        if name not in self._channels:
+            self._channels[name] = self.comm.Dup()
+        return True
+
+    def _comm(self) -> Any:
+        """The communicator this thread's collectives go over: its channel's, else ``comm``."""
+        name = current_channel()
+        return self._channels.get(name, self.comm) if name is not None else self.comm
+
     def _check_reduction(self, t: torch.Tensor, op: ReduceOp) -> None:
         if op not in self._reduce_ops:
             raise ValueError(f"all_reduce: unknown op {op!r}; expected sum, avg, max or min")
@@ -199,7 +213,7 @@ class MpiBackend:
             work = host
         mpi_op = self._bool_ops[op] if work.dtype == torch.bool else self._reduce_ops[op]
         self._ready(work)
-        self.comm.Allreduce(self._mpi.IN_PLACE, _wire(work), op=mpi_op)
+        self._comm().Allreduce(self._mpi.IN_PLACE, _wire(work), op=mpi_op)
         if op == "avg":
             work.div_(self.world_size)
         if work is not host:
@@ -213,7 +227,7 @@ class MpiBackend:
         send, recv = self._to_mpi(t), self._from_mpi(out)
         self.stats.record("all_gather", t.numel() * t.element_size(), self.world_size)
         self._ready(send, recv)
-        self.comm.Allgather(_wire(send), _wire(recv))
+        self._comm().Allgather(_wire(send), _wire(recv))
         if recv is not out:
             out.copy_(recv)
         return out
@@ -223,7 +237,7 @@ class MpiBackend:
         send, recv = self._to_mpi(t), self._from_mpi(out)
         self.stats.record("all_to_all", t.numel() * t.element_size(), self.world_size)
         self._ready(send, recv)
-        self.comm.Alltoall(_wire(send), _wire(recv))
+        self._comm().Alltoall(_wire(send), _wire(recv))
         if recv is not out:
             out.copy_(recv)
         return out
@@ -246,7 +260,7 @@ class MpiBackend:
         self.stats.record("all_reduce", t.numel() * t.element_size(), self.world_size)
         mpi_op = self._bool_ops[op] if t.dtype == torch.bool else self._reduce_ops[op]
         self._ready(t)
-        request = self.comm.Iallreduce(self._mpi.IN_PLACE, _wire(t), op=mpi_op)
+        request = self._comm().Iallreduce(self._mpi.IN_PLACE, _wire(t), op=mpi_op)
         n = self.world_size
         return self._progress.submit(request, lambda: t.div_(n) if op == "avg" else t, t.device)
 
@@ -270,7 +284,8 @@ class MpiBackend:
         check_equal_split(op, out, t, self.world_size)
         self.stats.record(op, t.numel() * t.element_size(), self.world_size)
         self._ready(t, out)
-        start = self.comm.Iallgather if op == "all_gather" else self.comm.Ialltoall
+        comm = self._comm()
+        start = comm.Iallgather if op == "all_gather" else comm.Ialltoall
         request = start(_wire(t), _wire(out))
         # the lambda keeps t alive until MPI is done with it
         return self._progress.submit(request, lambda: (t, out)[1], out.device)
@@ -282,14 +297,14 @@ class MpiBackend:
         host = self._to_mpi(t)
         self.stats.record("broadcast", t.numel() * t.element_size(), self.world_size)
         self._ready(host)
-        self.comm.Bcast(_wire(host), root=src)
+        self._comm().Bcast(_wire(host), root=src)
         if host is not t:
             t.copy_(host)
         return t
 
     def barrier(self) -> None:
         self.stats.record("barrier", 0, self.world_size)
-        self.comm.Barrier()
+        self._comm().Barrier()
 
     def __repr__(self) -> str:
         return (

@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 
 from commopt.comm.base import CommStats, ReduceOp, check_equal_split
+from commopt.comm.channels import current_channel
 from commopt.comm.torch_compat import all_gather_flat
 
 __all__ = ["TorchBackend"]
@@ -48,16 +49,34 @@ class TorchBackend:
         self.world_size = dist.get_world_size(group)
         self.stats = CommStats()
         self.engine = dist.get_backend(group)
+        self._channels: dict[str, dist.ProcessGroup] = {}
+
+    def open_channel(self, name: str) -> bool:
+        """Give channel ``name`` a process group of its own over the default group's ranks
+        (:mod:`commopt.comm.channels`); collective: every process calls it, in the same order.
+        False (nothing opened) for a backend on a sub-group: ``new_group`` would need every
+        process of the job, not only this group's."""
+        if name in self._channels:
+            return True
+        if self.group is not None and self.group != dist.group.WORLD:
+            return False
+        self._channels[name] = dist.new_group()
+        return True
+
+    def _group(self) -> dist.ProcessGroup | None:
+        """The group this thread's collectives go over: its channel's, else the backend's."""
+        name = current_channel()
+        return self._channels.get(name, self.group) if name is not None else self.group
 
     def all_reduce(self, t: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
         self.stats.record("all_reduce", t.numel() * t.element_size(), self.world_size)
         if op == "avg":
-            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
+            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self._group())
             t.div_(self.world_size)
         else:
             if op not in _OPS:
                 raise ValueError(f"all_reduce: unknown op {op!r}; expected sum, avg, max or min")
-            dist.all_reduce(t, op=_OPS[op], group=self.group)
+            dist.all_reduce(t, op=_OPS[op], group=self._group())
         return t
 
     def all_reduce_async(
@@ -72,7 +91,7 @@ class TorchBackend:
             raise ValueError(f"all_reduce: unknown op {op!r}; expected sum, avg, max or min")
         self.stats.record("all_reduce", t.numel() * t.element_size(), self.world_size)
         reduce_op = dist.ReduceOp.SUM if op == "avg" else _OPS[op]
-        work = dist.all_reduce(t, op=reduce_op, group=self.group, async_op=True)
+        work = dist.all_reduce(t, op=reduce_op, group=self._group(), async_op=True)
         n = self.world_size
 
         def finish(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
@@ -101,23 +120,23 @@ class TorchBackend:
         check_equal_split(op, out, t, self.world_size)
         self.stats.record(op, t.numel() * t.element_size(), self.world_size)
         if op == "all_gather":
-            work = all_gather_flat(out.view(-1), t.reshape(-1), self.group, async_op=True)
+            work = all_gather_flat(out.view(-1), t.reshape(-1), self._group(), async_op=True)
         else:
             work = dist.all_to_all_single(
-                out.view(-1), t.reshape(-1), group=self.group, async_op=True
+                out.view(-1), t.reshape(-1), group=self._group(), async_op=True
             )
         return _completes_with(work, out)
 
     def all_gather(self, out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         check_equal_split("all_gather", out, t, self.world_size)
         self.stats.record("all_gather", t.numel() * t.element_size(), self.world_size)
-        all_gather_flat(out.view(-1), t.reshape(-1), self.group)
+        all_gather_flat(out.view(-1), t.reshape(-1), self._group())
         return out
 
     def all_to_all(self, out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         check_equal_split("all_to_all", out, t, self.world_size)
         self.stats.record("all_to_all", t.numel() * t.element_size(), self.world_size)
-        dist.all_to_all_single(out.view(-1), t.reshape(-1), group=self.group)
+        dist.all_to_all_single(out.view(-1), t.reshape(-1), group=self._group())
         return out
 
     def broadcast(self, t: torch.Tensor, src: int = 0) -> torch.Tensor:
@@ -125,13 +144,14 @@ class TorchBackend:
             raise ValueError(f"broadcast: src {src} out of range for world size {self.world_size}")
         self.stats.record("broadcast", t.numel() * t.element_size(), self.world_size)
         # torch.distributed takes a global rank for src; translate from the group rank.
-        global_src = src if self.group is None else dist.get_global_rank(self.group, src)
-        dist.broadcast(t, src=global_src, group=self.group)
+        group = self._group()
+        global_src = src if group is None else dist.get_global_rank(group, src)
+        dist.broadcast(t, src=global_src, group=group)
         return t
 
     def barrier(self) -> None:
         self.stats.record("barrier", 0, self.world_size)
-        dist.barrier(group=self.group)
+        dist.barrier(group=self._group())
 
     def __repr__(self) -> str:
         return (

@@ -45,6 +45,8 @@ from typing import Any
 
 import torch
 
+from commopt.comm.channels import on_channel
+
 __all__ = ["CommThread"]
 
 #: how long :meth:`CommThread.close` waits for a job in flight before leaving the daemon be
@@ -78,6 +80,9 @@ class CommThread:
 
     def __init__(self, name: str = "commopt-comm", cuda: Any = None) -> None:
         self.name = name
+        #: the communicator channel the jobs' collectives use (None: the backends' own);
+        #: :class:`~commopt.optim.early.EarlyWork` opens it before the first job
+        self.channel: str | None = None
         self._cuda = torch.cuda if cuda is None else cuda
         self._cond = threading.Condition()
         self._jobs: dict[int, _Job] = {}  # ticket → job, submitted and not yet run
@@ -212,7 +217,8 @@ class CommThread:
                 else:
                     start = time.perf_counter()
                     try:
-                        self._execute(job)
+                        with on_channel(self.channel):
+                            self._execute(job)
                     except BaseException as err:  # surfaced by wait()/wait_all() on the main thread
                         if job.cancel is not None:
                             job.cancel(err)

@@ -50,6 +50,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from commopt.comm.channels import new_channel_name
 from commopt.comm.handoff import device_future
 from commopt.compressed import NonFiniteError
 from commopt.optim.exchange_schedule import ExchangeSchedule
@@ -146,7 +147,17 @@ class EarlyWork:
         job: Callable[[], None],
         cancel: Callable[[BaseException], None] | None = None,
     ) -> None:
-        """Queue the bucket's job at its position of the open round."""
+        """Queue the bucket's job at its position of the open round, on the thread's own
+        communicator channel (opened here at the first job, collectively: every rank submits
+        the same jobs in the same order; :mod:`commopt.comm.channels`)."""
+        thread = self._thread
+        if thread.channel is None:
+            name = new_channel_name()
+            opener = getattr(self._opt.backend, "open_channel", None)
+            if opener is not None and opener(name):
+                thread.channel = name
+            else:
+                thread.channel = ""  # (nothing to open: the shared communicator)
         st.ticket = self._schedule.submit(state, job, cancel)
 
     def drain(self) -> None:
