@@ -124,6 +124,8 @@ class GradientVerdict:
     without_grad: tuple[int, ...]
     """Flat indices of the parameters with no gradient on any rank (collective) or on this
     rank (local): they are skipped entirely, as torch.optim skips ``grad is None``."""
+    redo: bool = False
+    """Some rank asked for the step's early work to be redone (``redo=True``)."""
     identical: bool = False
     """Asked for (``digest=True``) on several ranks: every rank's gradients are bit for bit
     the same (a digest of their bits agrees), which is what DDP leaves after its own average."""
@@ -152,24 +154,26 @@ def agree_on_gradients(
     key: int,
     width: int,
     digest: bool = False,
+    redo: bool = False,
 ) -> GradientVerdict:
-    """Agree in one all-reduce (max) of 6 + ``width`` integers on: the model (``key``, from
+    """Agree in one all-reduce (max) of 7 + ``width`` integers on: the model (``key``, from
     :func:`model_key`), sparse gradients, non-finite gradients, and which of the first
     ``width`` parameters have a gradient somewhere. ``width`` is the parameter count all ranks
     last agreed on, so the message has the same size on every rank even when one rank has
     added a param group since; the caller re-checks the model when ``same_model`` is False or
     its count is not ``width``. With ``collective=False`` (a purely local step) nothing is sent
     and the verdict is this rank's own. ``digest`` (the same on every rank): also whether the
-    gradients are bit-identical on every rank (:func:`gradient_digest`, one pass over them)."""
+    gradients are bit-identical on every rank (:func:`gradient_digest`, one pass over them).
+    ``redo``: this rank wants the step's early work redone (any rank's wish holds for all)."""
     sparse_at = None
     nonfinite = False
-    flags = torch.zeros(6 + width, dtype=torch.int64)
+    flags = torch.zeros(7 + width, dtype=torch.int64)
     for i, p in enumerate(params):
         g = p.grad
         if g is None:
             continue
         if i < width:
-            flags[6 + i] = 1
+            flags[7 + i] = 1
         if g.is_sparse:
             sparse_at = sparse_at or describe(i)
         elif not nonfinite and not _all_finite(g):
@@ -177,16 +181,16 @@ def agree_on_gradients(
     flags[0], flags[1], flags[2], flags[3] = sparse_at is not None, nonfinite, key, -key
     several = collective and backend.world_size > 1
     h = gradient_digest(params) if digest and several else 0
-    flags[4], flags[5] = h, -h
+    flags[4], flags[5], flags[6] = h, -h, int(redo)
     if several:
         backend.all_reduce(flags, "max")
     if flags[0] and sparse_at is None:
         sparse_at = f"a parameter on another rank (not rank {backend.rank})"
-    without = (flags[6:] == 0).nonzero().squeeze(1).tolist()
+    without = (flags[7:] == 0).nonzero().squeeze(1).tolist()
     same = bool(flags[2] == -flags[3])
     identical = bool(h != 0 and flags[4] == -flags[5])
     return GradientVerdict(
-        same, sparse_at, bool(flags[1]), tuple(int(i) for i in without), identical
+        same, sparse_at, bool(flags[1]), tuple(int(i) for i in without), bool(flags[6]), identical
     )
 
 
@@ -252,6 +256,7 @@ class GradientAgreement:
         param_groups: Sequence[dict[str, Any]],
         collective: bool,
         digest: bool = False,
+        redo: bool = False,
     ) -> GradientVerdict:
         """:func:`agree_on_gradients`; a model that changed on some rank is checked again (which
         raises on every rank alike, or every rank added the same group: agree again).
@@ -265,12 +270,14 @@ class GradientAgreement:
             self._key = (ids, model_key(params))
         key = self._key[1]
         width = self.agreed_count
-        verdict = agree_on_gradients(backend, params, describe, collective, key, width, digest)
+        verdict = agree_on_gradients(
+            backend, params, describe, collective, key, width, digest, redo
+        )
         if collective and (not verdict.same_model or len(params) != self.agreed_count):
             check_same_model(backend, params, describe)  # raises on every rank
             self.agreed_count = len(params)  # every rank added the same group: agree again
             verdict = agree_on_gradients(
-                backend, params, describe, collective, key, self.agreed_count, digest
+                backend, params, describe, collective, key, self.agreed_count, digest, redo
             )
         if verdict.sparse_at is not None:
             raise RuntimeError(

@@ -42,7 +42,7 @@ from commopt.optim.overlap import BackwardWork, GradientHooks
 from commopt.optim.param_checks import check_param_group
 from commopt.optim.precision import master_weights, unscale_grads_
 from commopt.optim.resume import commopt_entry, keep_state_dtypes, split_commopt_entry
-from commopt.optim.user_warning import warn_averaged_already, warn_skipped
+from commopt.optim.user_warning import warn_averaged_already, warn_redone, warn_skipped
 from commopt.optim.variance_guard import ZeroVarianceGuard, apply_exp_avg_mask_
 
 __all__ = ["TOPOLOGIES", "CompressedOptimizer"]
@@ -237,9 +237,15 @@ class CompressedOptimizer(BackwardWork, ConfigAttributes, torch.optim.Optimizer)
         # The first communicating steps also check whether the gradients are already identical
         # on every rank: DDP without commopt's hook averaged them (all ranks agree on this).
         digest = collective and self._early is None and self._ddp_checks_left > 0
+        why = self._early.stale(step) if self._early is not None and self._overlap else None
         verdict = self._agreement.verdict(
-            self.backend, params, self.param_groups, collective, digest
+            self.backend, params, self.param_groups, collective, digest, why is not None
         )
+        if self._early is not None and (verdict.redo or (why is not None and not collective)):
+            # What the early work read changed after backward (on some rank): redo the step
+            # as overlap=False would, from p.grad, the same bits (docs/overlap.md).
+            self._early.discard()
+            warn_redone(type(self).__name__, why, self.backend.rank)
         if digest:
             self._ddp_checks_left -= 1
             if verdict.identical:

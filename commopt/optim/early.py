@@ -81,6 +81,11 @@ class EarlyWork:
         self._where: dict[int, tuple[FlatState, int]] = {}  # id(param) → (bucket, index)
         self._staged: dict[int, StagedWork] = {}  # id(FlatState) → this step's work
         self._buffers = StagedBuffers()  # what the work writes, kept from step to step
+        # overlap: what the staged work read, to tell in step() whether it still holds:
+        # each consumed gradient (the tensor and its version) and every group's β1
+        self._read: dict[int, tuple[torch.Tensor, int]] = {}
+        self._read_betas: tuple[float, ...] | None = None
+        self._read_step = 0
         # overlap=True: the jobs on the communication thread, in exchange order
         self._schedule = ExchangeSchedule(lambda: optimizer._hooks.thread)
 
@@ -225,6 +230,8 @@ class EarlyWork:
             buf = self._buffers.gradient(state)
             start, numel = state.bucket.offsets[i], p.numel()
             buf[start : start + numel].copy_(g.reshape(-1))
+            if threaded:
+                self._note_read(p, g, st.step)
             st.arrived.add(i)
             touched.setdefault(id(state), (state, st, []))[2].append((k, start, numel))
         starting = [(s, st) for s, st, _ in touched.values()]
@@ -297,6 +304,8 @@ class EarlyWork:
                 st.folded.clear()
                 st.exchanged = st.failed = False
             self._fold_one(state, i, g, st.step)
+            if threaded and g is not None:
+                self._note_read(p, g, st.step)
             st.folded.add(i)
             if len(st.folded) == len(state.bucket.params):
                 complete.append((state, st))
@@ -320,7 +329,37 @@ class EarlyWork:
             st.failed = True
         st.exchanged = True
 
+    def _note_read(self, p: torch.Tensor, g: torch.Tensor, step: int) -> None:
+        if self._read_step != step:
+            self._read.clear()
+            self._read_step = step
+            self._read_betas = tuple(group["betas"][0] for group in self._opt.param_groups)
+        self._read[id(p)] = (g, g._version)
+
     # -- step()'s side --------------------------------------------------------------------------
+    def stale(self, step: int) -> str | None:
+        """Overlap: why the staged work of step ``step`` no longer holds on this rank (a
+        gradient it read was replaced or changed in place since, e.g. ``clip_grad_norm_``, or
+        a group's β1 changed, e.g. by a scheduler), or None. This rank's view only: ``step()``
+        agrees on it across ranks."""
+        if self._read_step != step or not self._read:
+            return None
+        betas = tuple(group["betas"][0] for group in self._opt.param_groups)
+        if self._read_betas is not None and betas[: len(self._read_betas)] != self._read_betas:
+            return "a param group's beta1 changed after backward"
+        params = {id(p): p for group in self._opt.param_groups for p in group["params"]}
+        for key, (g, version) in self._read.items():
+            p = params.get(key)
+            if p is None or p.grad is not g or g._version != version:
+                return "a gradient changed after backward (e.g. clip_grad_norm_)"
+        return None
+
+    def discard(self) -> None:
+        """Drop the staged work of this step (after :meth:`drain`): ``step()`` then runs as
+        ``overlap=False`` would, from ``p.grad`` and the committed state."""
+        self.clear()
+        self._read.clear()
+
     def averaged(self, state: FlatState, step: int) -> set[int]:
         """Indices of the bucket's parameters whose gradient is already the average (step
         ``step``)."""

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["warn_at_caller", "warn_averaged_already", "warn_skipped"]
+__all__ = ["warn_at_caller", "warn_averaged_already", "warn_redone", "warn_skipped"]
 
 _INTERNAL_DIRS = tuple(
     str(path) + os.sep
@@ -54,4 +54,21 @@ def warn_averaged_already(name: str, rank: int) -> None:
         "traffic than DDP alone, and not the optimizer's algorithm. Register the hook: "
         "model.register_comm_hook(commopt.ddp.OnebitHookState(optimizer), "
         "commopt.ddp.onebit_hook). (If every rank really trains on the same data, ignore this.)"
+    )
+
+
+_redone: set[str] = set()
+
+
+def warn_redone(name: str, why: str | None, rank: int) -> None:
+    """Once per optimizer class and process, on rank 0: ``overlap=True``'s early work of a step
+    was redone in ``step()`` because what it read changed after backward."""
+    if rank != 0 or name in _redone:
+        return
+    _redone.add(name)
+    warn_at_caller(
+        f"{name}: {why or 'on another rank, what overlap=True read changed after backward'}; "
+        "the step was redone as overlap=False would (same result), so overlap gains nothing "
+        "in such steps and pays the communication twice. Change gradients or beta1 before "
+        "backward ends, or use overlap=False (docs/overlap.md)"
     )

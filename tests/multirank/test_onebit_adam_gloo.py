@@ -165,8 +165,9 @@ def test_four_ranks_warmup_replicas_and_call_count():
     assert len(buckets) >= 3
     assert r0["rounds"] == (WARMUP * len(buckets), COMPRESSED * len(buckets))
     # 2 flags (sparse, non-finite), the model key and its negation, the gradient digest and its
-    # negation (DDP-without-hook check), and one has-gradient flag per parameter, int64
-    flag_bytes = model_bytes("all_reduce", (6 + r0["n_params"]) * 8, n)
+    # negation (DDP-without-hook check), the redo flag (overlap), and one has-gradient flag
+    # per parameter, int64
+    flag_bytes = model_bytes("all_reduce", (7 + r0["n_params"]) * 8, n)
     for res in results:
         for t, (ops, nbytes, calls) in enumerate(res["per_step"], start=1):
             if t <= WARMUP:
