@@ -63,6 +63,13 @@ class TorchBackend:
         self._channels[name] = dist.new_group()
         return True
 
+    def close_channel(self, name: str) -> None:
+        """Destroy channel ``name``'s process group (local to this process; nothing may be in
+        flight on it). Quietly nothing when torch.distributed is already shut down."""
+        group = self._channels.pop(name, None)
+        if group is not None and dist.is_initialized():
+            dist.destroy_process_group(group)
+
     def _group(self) -> dist.ProcessGroup | None:
         """The group this thread's collectives go over: its channel's, else the backend's."""
         name = current_channel()

@@ -83,6 +83,8 @@ class CommThread:
         #: the communicator channel the jobs' collectives use (None: the backends' own);
         #: :class:`~commopt.optim.early.EarlyWork` opens it before the first job
         self.channel: str | None = None
+        #: called once by :meth:`close`, after the thread has stopped
+        self.on_close: list[Callable[[], None]] = []
         self._cuda = torch.cuda if cuda is None else cuda
         self._cond = threading.Condition()
         self._jobs: dict[int, _Job] = {}  # ticket → job, submitted and not yet run
@@ -199,6 +201,9 @@ class CommThread:
             thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(_JOIN_SECONDS)
+        closers, self.on_close = self.on_close, []
+        for closer in closers:  # what only the jobs used (the channel), once they are done
+            closer()
 
     # -- the thread's side ----------------------------------------------------------------------
     def _run(self) -> None:

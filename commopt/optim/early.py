@@ -161,6 +161,9 @@ class EarlyWork:
             opener = getattr(self._opt.backend, "open_channel", None)
             if opener is not None and opener(name):
                 thread.channel = name
+                closer = getattr(self._opt.backend, "close_channel", None)
+                if closer is not None:  # freed with the thread (the optimizer is dropped)
+                    thread.on_close.append(functools.partial(closer, name))
             else:
                 thread.channel = ""  # (nothing to open: the shared communicator)
         st.ticket = self._schedule.submit(state, job, cancel)
