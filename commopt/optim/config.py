@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import warnings
 from typing import Any, TypeVar
 
 from commopt.freeze import AutoFreezeSettings, auto_settings
@@ -26,7 +25,6 @@ __all__ = [
     "OnebitAdamConfig",
     "OnebitLambConfig",
     "ZeroOneAdamConfig",
-    "announce_default_freeze",
     "check_adam_arguments",
     "check_beta",
     "check_config_change",
@@ -78,23 +76,24 @@ class _DefaultFreezeStep(int):
 DEFAULT_FREEZE_STEP = _DefaultFreezeStep(100_000)
 
 
-def announce_default_freeze(optimizer: str, field: str, value: object) -> object:
-    """``value`` as the config stores it; when it is the default, warn once per process, on
-    rank 0 as the launcher's variables say: 100000 full-precision steps mean no compression in
-    most fine-tuning runs (docs/optimizers.md, "Defaults")."""
-    if value is not DEFAULT_FREEZE_STEP:
-        return value
+def _settle_default_freeze(config: Any, field: str) -> None:
+    """In a config's ``__post_init__``: when ``field`` holds :data:`DEFAULT_FREEZE_STEP` (the
+    caller gave none), store it as the plain int and warn once per process, on rank 0 as the
+    launcher's variables say: 100000 full-precision steps mean no compression in most
+    fine-tuning runs (docs/optimizers.md)."""
+    if getattr(config, field) is not DEFAULT_FREEZE_STEP:
+        return
+    object.__setattr__(config, field, 100_000)
+    optimizer = type(config).__name__.removesuffix("Config")
     rank = os.environ.get("RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0"))
     if rank == "0" and (optimizer, field) not in _announced:
         _announced.add((optimizer, field))
-        warnings.warn(
+        warn_at_caller(
             f"{optimizer}: {field} was not given, so its default of 100000 applies: the first "
             "100000 steps run uncompressed, i.e. no compression at all in most fine-tuning "
             f"runs. Pass {field}=N (the papers freeze after 15-25 % of training) or "
-            f"{field}='auto' (the freeze chosen from the variance)",
-            stacklevel=3,
+            f"{field}='auto' (the freeze chosen from the variance)"
         )
-    return int(value)
 
 
 _announced: set[tuple[str, str]] = set()
@@ -182,6 +181,7 @@ class OnebitAdamConfig:
     never (:mod:`commopt.step_guard`)."""
 
     def __post_init__(self) -> None:
+        _settle_default_freeze(self, "freeze_step")
         check_freeze_step("freeze_step", self.freeze_step)
         _check_feedback(self)
 
@@ -218,6 +218,7 @@ class OnebitLambConfig:
     ``False`` as for 1-bit Adam (:mod:`commopt.step_guard`)."""
 
     def __post_init__(self) -> None:
+        _settle_default_freeze(self, "freeze_step")
         check_freeze_step("freeze_step", self.freeze_step)
         _check_choice("trust_ratio", self.trust_ratio, _TRUST_RATIOS)
         _check_feedback(self)
@@ -253,6 +254,7 @@ class ZeroOneAdamConfig:
     or ``False`` as for 1-bit Adam (:mod:`commopt.step_guard`)."""
 
     def __post_init__(self) -> None:
+        _settle_default_freeze(self, "var_freeze_step")
         check_freeze_step("var_freeze_step", self.var_freeze_step)
         _check_feedback(self)
         check_step_count("var_update_scaler", self.var_update_scaler, 1, _WHY_SCALER)

@@ -12,7 +12,6 @@ from commopt.optim.base import CompressedOptimizer
 from commopt.optim.config import (
     DEFAULT_FREEZE_STEP,
     OnebitAdamConfig,
-    announce_default_freeze,
     check_adam_arguments,
     document_schedule,
 )
@@ -150,7 +149,7 @@ class OnebitAdam(CompressedOptimizer):
     ) -> None:
         check_adam_arguments(lr, betas, eps, weight_decay)
         config = OnebitAdamConfig(
-            freeze_step=announce_default_freeze("OnebitAdam", "freeze_step", freeze_step),
+            freeze_step=freeze_step,
             error_feedback=error_feedback,
             econtrol_eta=econtrol_eta,
             step_guard=step_guard,

@@ -15,7 +15,6 @@ from commopt.optim.base import CompressedOptimizer
 from commopt.optim.config import (
     DEFAULT_FREEZE_STEP,
     OnebitLambConfig,
-    announce_default_freeze,
     check_adam_arguments,
     document_schedule,
 )
@@ -192,7 +191,7 @@ class OnebitLamb(CompressedOptimizer):
             error_feedback=error_feedback,
             econtrol_eta=econtrol_eta,
             step_guard=step_guard,
-            freeze_step=announce_default_freeze("OnebitLamb", "freeze_step", freeze_step),
+            freeze_step=freeze_step,
             max_coeff=max_coeff,
             min_coeff=min_coeff,
             coeff_beta=coeff_beta,

@@ -15,7 +15,6 @@ from commopt.optim.base import CompressedOptimizer
 from commopt.optim.config import (
     DEFAULT_FREEZE_STEP,
     ZeroOneAdamConfig,
-    announce_default_freeze,
     check_adam_arguments,
     document_schedule,
 )
@@ -191,9 +190,7 @@ class ZeroOneAdam(ZeroOneSync, ZeroOneSchedule, CompressedOptimizer):
             error_feedback=error_feedback,
             econtrol_eta=econtrol_eta,
             step_guard=step_guard,
-            var_freeze_step=announce_default_freeze(
-                "ZeroOneAdam", "var_freeze_step", var_freeze_step
-            ),
+            var_freeze_step=var_freeze_step,
             var_update_scaler=var_update_scaler,
             local_step_scaler=local_step_scaler,
             local_step_clipper=local_step_clipper,
