@@ -6,6 +6,7 @@ import os
 import sys
 import warnings
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -17,11 +18,21 @@ _INTERNAL_DIRS = tuple(
 )
 
 
+def _internal(frame: Any) -> bool:
+    """A frame of commopt or torch: by file, or by module for code without a file of its own
+    (the ``__init__`` a dataclass generates runs in its module's globals)."""
+    module = frame.f_globals.get("__name__", "")
+    return frame.f_code.co_filename.startswith(_INTERNAL_DIRS) or module.split(".")[0] in (
+        "commopt",
+        "torch",
+    )
+
+
 def warn_at_caller(message: str) -> None:
     """``warnings.warn`` attributed to the first frame outside commopt and torch: the line of
     the user's code that called ``step()``, not an internal helper or torch's no_grad wrapper."""
     frame, level = sys._getframe(1), 2
-    while frame is not None and frame.f_code.co_filename.startswith(_INTERNAL_DIRS):
+    while frame is not None and _internal(frame):
         frame, level = frame.f_back, level + 1
     warnings.warn(message, stacklevel=level)
 

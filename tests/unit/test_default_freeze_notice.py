@@ -28,6 +28,12 @@ def test_the_default_is_announced_once_and_an_explicit_value_never(name, monkeyp
         UserWarning, match=rf"{name}: {field} was not given, so its default of 100000"
     ):
         opt = cls(params)
+    # attributed to the line above, not to commopt or the config's generated __init__
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        monkeypatch.setattr(config, "_announced", set())
+        cls(params)
+    assert [w.filename for w in caught] == [__file__]
     assert type(opt.config.__dict__[field]) is int and getattr(opt, field) == 100_000
     with warnings.catch_warnings():
         warnings.simplefilter("error")
