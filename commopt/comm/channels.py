@@ -15,11 +15,12 @@ using their one communicator: docs/overlap.md says which setups that leaves expo
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
-__all__ = ["current_channel", "new_channel_name", "on_channel"]
+__all__ = ["current_channel", "new_channel_name", "on_channel", "open_channel"]
 
 _local = threading.local()
 _names = itertools.count()
@@ -28,6 +29,18 @@ _names = itertools.count()
 def new_channel_name() -> str:
     """A fresh channel name. Ranks that open channels in the same order get the same names."""
     return f"commopt-channel-{next(_names)}"
+
+
+def open_channel(backend: object) -> tuple[str, Callable[[], None] | None]:
+    """Open a fresh channel on ``backend`` (collective: every rank in the same order).
+    Returns its name and what closes it, or ``("", None)`` when the backend cannot open one
+    (its collectives then stay on its one communicator)."""
+    name = new_channel_name()
+    opener = getattr(backend, "open_channel", None)
+    if opener is None or not opener(name):
+        return "", None
+    closer = getattr(backend, "close_channel", None)
+    return name, (None if closer is None else functools.partial(closer, name))
 
 
 def current_channel() -> str | None:

@@ -237,14 +237,15 @@ class CompressedOptimizer(BackwardWork, ConfigAttributes, torch.optim.Optimizer)
         # The first communicating steps also check whether the gradients are already identical
         # on every rank: DDP without commopt's hook averaged them (all ranks agree on this).
         digest = collective and self._early is None and self._ddp_checks_left > 0
-        why = self._early.stale(step) if self._early is not None and self._overlap else None
+        early = self._early if self._overlap else None  # did what it read change? (this rank)
+        why = early.reads.stale(step, self.param_groups) if early is not None else None
         verdict = self._agreement.verdict(
             self.backend, params, self.param_groups, collective, digest, why is not None
         )
         if self._early is not None and (verdict.redo or (why is not None and not collective)):
             # What the early work read changed after backward (on some rank): redo the step
             # as overlap=False would, from p.grad, the same bits (docs/overlap.md).
-            self._early.discard()
+            self._early.clear()
             warn_redone(type(self).__name__, why, self.backend.rank)
         if digest:
             self._ddp_checks_left -= 1

@@ -50,9 +50,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from commopt.comm.channels import new_channel_name
+from commopt.comm.channels import open_channel
 from commopt.comm.handoff import device_future
 from commopt.compressed import NonFiniteError
+from commopt.optim.early_reads import EarlyReads
 from commopt.optim.exchange_schedule import ExchangeSchedule
 from commopt.optim.flat_state import FlatState
 from commopt.optim.staged import StagedBuffers, StagedWork
@@ -81,11 +82,8 @@ class EarlyWork:
         self._where: dict[int, tuple[FlatState, int]] = {}  # id(param) → (bucket, index)
         self._staged: dict[int, StagedWork] = {}  # id(FlatState) → this step's work
         self._buffers = StagedBuffers()  # what the work writes, kept from step to step
-        # overlap: what the staged work read, to tell in step() whether it still holds:
-        # each consumed gradient (the tensor and its version) and every group's β1
-        self._read: dict[int, tuple[torch.Tensor, int]] = {}
-        self._read_betas: tuple[float, ...] | None = None
-        self._read_step = 0
+        #: overlap: what the work read during backward, which step() checks is unchanged
+        self.reads = EarlyReads()
         # overlap=True: the jobs on the communication thread, in exchange order
         self._schedule = ExchangeSchedule(lambda: optimizer._hooks.thread)
 
@@ -153,19 +151,12 @@ class EarlyWork:
         cancel: Callable[[BaseException], None] | None = None,
     ) -> None:
         """Queue the bucket's job at its position of the open round, on the thread's own
-        communicator channel (opened here at the first job, collectively: every rank submits
-        the same jobs in the same order; :mod:`commopt.comm.channels`)."""
+        channel (opened at the first job, by every rank alike: :mod:`commopt.comm.channels`)."""
         thread = self._thread
         if thread.channel is None:
-            name = new_channel_name()
-            opener = getattr(self._opt.backend, "open_channel", None)
-            if opener is not None and opener(name):
-                thread.channel = name
-                closer = getattr(self._opt.backend, "close_channel", None)
-                if closer is not None:  # freed with the thread (the optimizer is dropped)
-                    thread.on_close.append(functools.partial(closer, name))
-            else:
-                thread.channel = ""  # (nothing to open: the shared communicator)
+            thread.channel, closer = open_channel(self._opt.backend)
+            if closer is not None:  # freed with the thread (the optimizer is dropped)
+                thread.on_close.append(closer)
         st.ticket = self._schedule.submit(state, job, cancel)
 
     def drain(self) -> None:
@@ -234,7 +225,7 @@ class EarlyWork:
             start, numel = state.bucket.offsets[i], p.numel()
             buf[start : start + numel].copy_(g.reshape(-1))
             if threaded:
-                self._note_read(p, g, st.step)
+                self.reads.note(p, g, st.step, self._opt.param_groups)
             st.arrived.add(i)
             touched.setdefault(id(state), (state, st, []))[2].append((k, start, numel))
         starting = [(s, st) for s, st, _ in touched.values()]
@@ -308,7 +299,7 @@ class EarlyWork:
                 st.exchanged = st.failed = False
             self._fold_one(state, i, g, st.step)
             if threaded and g is not None:
-                self._note_read(p, g, st.step)
+                self.reads.note(p, g, st.step, self._opt.param_groups)
             st.folded.add(i)
             if len(st.folded) == len(state.bucket.params):
                 complete.append((state, st))
@@ -332,37 +323,7 @@ class EarlyWork:
             st.failed = True
         st.exchanged = True
 
-    def _note_read(self, p: torch.Tensor, g: torch.Tensor, step: int) -> None:
-        if self._read_step != step:
-            self._read.clear()
-            self._read_step = step
-            self._read_betas = tuple(group["betas"][0] for group in self._opt.param_groups)
-        self._read[id(p)] = (g, g._version)
-
     # -- step()'s side --------------------------------------------------------------------------
-    def stale(self, step: int) -> str | None:
-        """Overlap: why the staged work of step ``step`` no longer holds on this rank (a
-        gradient it read was replaced or changed in place since, e.g. ``clip_grad_norm_``, or
-        a group's β1 changed, e.g. by a scheduler), or None. This rank's view only: ``step()``
-        agrees on it across ranks."""
-        if self._read_step != step or not self._read:
-            return None
-        betas = tuple(group["betas"][0] for group in self._opt.param_groups)
-        if self._read_betas is not None and betas[: len(self._read_betas)] != self._read_betas:
-            return "a param group's beta1 changed after backward"
-        params = {id(p): p for group in self._opt.param_groups for p in group["params"]}
-        for key, (g, version) in self._read.items():
-            p = params.get(key)
-            if p is None or p.grad is not g or g._version != version:
-                return "a gradient changed after backward (e.g. clip_grad_norm_)"
-        return None
-
-    def discard(self) -> None:
-        """Drop the staged work of this step (after :meth:`drain`): ``step()`` then runs as
-        ``overlap=False`` would, from ``p.grad`` and the committed state."""
-        self.clear()
-        self._read.clear()
-
     def averaged(self, state: FlatState, step: int) -> set[int]:
         """Indices of the bucket's parameters whose gradient is already the average (step
         ``step``)."""
@@ -428,10 +389,12 @@ class EarlyWork:
         return self._buffers.momentum(state)
 
     def clear(self) -> None:
-        """Drop all staged work (the step was taken or skipped, or the state was reloaded),
-        once every average in flight has completed (their buffers are reused)."""
+        """Drop all staged work and what it read (the step was taken or skipped, the state was
+        reloaded, or what the work read changed: ``step()`` then runs as ``overlap=False``
+        would), once every average in flight has completed (their buffers are reused)."""
         for st in self._staged.values():
             if st.averaged and st.future is not None:
                 with contextlib.suppress(Exception):  # a failed average was raised already
                     st.future.wait()
         self._staged.clear()
+        self.reads.clear()
