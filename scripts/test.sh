@@ -4,8 +4,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
 . .venv/bin/activate
-# The Hugging Face Trainer example's test needs transformers (about 130 MB); the demo does not.
-python -m pip install -q -c constraints.txt -e ".[hf]"
+# The framework examples' tests need transformers, accelerate and Lightning; the demo does not.
+python -m pip install -q -c constraints.txt -e ".[hf,lightning]"
 . scripts/mpi_env.sh
 # g++ compiles cuda/*.cu for the CPU (tests/cuda_on_cpu): the CUDA kernels execute in CI.
 command -v g++ >/dev/null || { apt-get update -qq && apt-get install -y -qq g++; }

@@ -1,0 +1,62 @@
+"""Lightning: a callback that pairs Lightning's DDP model with a commopt optimizer.
+
+Lightning builds the optimizer in ``configure_optimizers`` *after* it has wrapped the model in
+DistributedDataParallel, so the hook cannot be given to ``DDPStrategy(ddp_comm_hook=...)``: its
+state is the optimizer, which does not exist yet when the strategy registers hooks. The
+callback registers :func:`commopt.ddp.onebit_hook` at ``on_fit_start``, once both exist and
+before the first backward pass::
+
+    import lightning.pytorch as pl
+    from commopt.lightning import OnebitHookCallback
+
+    class Model(pl.LightningModule):
+        def configure_optimizers(self):
+            return commopt.OnebitAdam(self.parameters(), lr=1e-3, freeze_step=1000)
+
+    trainer = pl.Trainer(strategy="ddp", devices=2, callbacks=[OnebitHookCallback()])
+
+Without the callback, DDP averages the gradients in full precision and the optimizer warns that
+it is being handed averaged gradients (docs/ddp.md). With one device (no DDP) the callback does
+nothing and the optimizer communicates by itself, as it does outside Lightning.
+
+Needs ``pip install lightning`` (``lightning.pytorch``, version 2.4 or newer).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning.pytorch import Callback, LightningModule, Trainer
+from torch.nn.parallel import DistributedDataParallel
+
+from commopt.ddp import OnebitHookState, onebit_hook
+from commopt.optim.base import CompressedOptimizer
+
+__all__ = ["OnebitHookCallback"]
+
+
+class OnebitHookCallback(Callback):
+    """Registers :func:`commopt.ddp.onebit_hook` on Lightning's DDP model at ``on_fit_start``,
+    paired with the module's one commopt optimizer.
+
+    Raises:
+        ValueError: under DDP, ``configure_optimizers`` returned no commopt optimizer, or more
+            than one (DDP takes one communication hook per model).
+    """
+
+    def __init__(self) -> None:
+        self.state: OnebitHookState | None = None
+
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        model: Any = trainer.strategy.model
+        if not isinstance(model, DistributedDataParallel):
+            return
+        ours = [opt for opt in trainer.optimizers if isinstance(opt, CompressedOptimizer)]
+        if len(ours) != 1:
+            found = ", ".join(type(opt).__name__ for opt in trainer.optimizers) or "none"
+            raise ValueError(
+                "OnebitHookCallback needs exactly one commopt optimizer (OnebitAdam, OnebitLamb, "
+                f"ZeroOneAdam) from configure_optimizers; found: {found}"
+            )
+        self.state = OnebitHookState(ours[0])
+        model.register_comm_hook(self.state, onebit_hook)

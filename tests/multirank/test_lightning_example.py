@@ -1,0 +1,33 @@
+"""Lightning trains a LightningModule on 2 ranks with each commopt optimizer through
+commopt.lightning.OnebitHookCallback, bit-identical to the standalone optimizer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.multirank.harness import run_example_under_torchrun
+
+pytest.importorskip("lightning", reason="needs Lightning: pip install 'commopt[lightning]'")
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "lightning_commopt.py"
+
+
+def test_lightning_example_equals_standalone_for_each_optimizer(tmp_path):
+    result = run_example_under_torchrun(EXAMPLE, ["--steps", "30", "--freeze-step", "10"], tmp_path)
+    assert result["world_size"] == 2
+    runs = result["optimizers"]
+    assert set(runs) == {"OnebitAdam", "OnebitLamb", "ZeroOneAdam"}
+    for name, run in runs.items():
+        assert run["equals_standalone"], name  # on every rank, bit for bit
+        assert len(run["losses"]) == 30, name
+        assert run["losses"][-1] < run["losses"][0], (name, run["losses"])
+        stats = run["comm_stats"]
+        assert stats["full_precision_rounds"] == 10, (name, stats)  # the warmup, through DDP
+        assert stats["compressed_rounds"] > 0, (name, stats)
+        assert stats["skipped_steps"] == 0, (name, stats)
+    # 0/1 Adam's replicas differ between its sync steps by design; the others never.
+    assert runs["OnebitAdam"]["replicas_identical"]
+    assert runs["OnebitLamb"]["replicas_identical"]
+    assert runs["OnebitAdam"]["comm_stats"]["compressed_rounds"] == 20
