@@ -228,7 +228,7 @@ def from_deepspeed_config(
     Warns:
         DeepSpeedConfigWarning: once, listing every key that has no meaning in commopt.
 
-    Example:
+    Examples:
         >>> import torch, warnings, commopt
         >>> w = torch.nn.Parameter(torch.zeros(3))
         >>> cfg = {"type": "OneBitAdam", "params": {"lr": 4e-4, "freeze_step": 23000}}

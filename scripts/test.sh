@@ -4,13 +4,16 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
 . .venv/bin/activate
-# The framework examples' tests need transformers, accelerate and Lightning; the demo does not.
-python -m pip install -q -c constraints.txt -e ".[hf,lightning]"
+# The framework examples' tests need transformers, accelerate and Lightning, the API reference
+# mkdocs; the demo needs none of them.
+python -m pip install -q -c constraints.txt -e ".[hf,lightning,docs]"
 . scripts/mpi_env.sh
 # g++ compiles cuda/*.cu for the CPU (tests/cuda_on_cpu): the CUDA kernels execute in CI.
 command -v g++ >/dev/null || { apt-get update -qq && apt-get install -y -qq g++; }
 ruff check commopt tests experiments examples
 ruff format --check commopt tests experiments examples
+# The documentation site with its API reference from the docstrings; any warning fails.
+mkdocs build --strict --quiet
 python -m pytest -q -p no:cacheprovider
 # Every MPI test runs inside this one 4-rank job; a hung job is killed, never waited on.
 timeout 600 mpiexec -n 4 python -u -m pytest -q -p no:cacheprovider --color=no tests/multirank/mpi

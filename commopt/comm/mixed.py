@@ -131,7 +131,7 @@ class MixedBackend:
             children disagree on rank or world size.
         TypeError: a child does not implement the Backend protocol.
 
-    Example:
+    Examples:
         >>> import commopt
         >>> from commopt.comm import MixedBackend, MpiBackend, TorchBackend
         >>> commopt.init()                                               # doctest: +SKIP

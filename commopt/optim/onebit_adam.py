@@ -117,7 +117,7 @@ class OnebitAdam(CompressedOptimizer):
         Efficient Large-Scale Training with Adam's Convergence Speed." ICML 2021,
         arXiv:2102.02888.
 
-    Example:
+    Examples:
         >>> import torch, commopt
         >>> w = torch.nn.Parameter(torch.tensor([1.0, -2.0]))
         >>> opt = commopt.OnebitAdam([w], lr=0.1, freeze_step=2)

@@ -141,7 +141,7 @@ class OnebitLamb(CompressedOptimizer):
         Large-Scale Large-Batch Training with LAMB's Convergence Speed." HiPC 2022,
         arXiv:2104.06069.
 
-    Example:
+    Examples:
         >>> import torch, commopt
         >>> w = torch.nn.Parameter(torch.tensor([1.0, -2.0]))
         >>> opt = commopt.OnebitLamb([w], lr=0.1, freeze_step=2)

@@ -150,7 +150,7 @@ class ZeroOneAdam(ZeroOneSync, ZeroOneSchedule, CompressedOptimizer):
         Lu, Li, Zhang, De Sa, He. "Maximizing Communication Efficiency for Large-scale Training
         via 0/1 Adam." ICLR 2023, arXiv:2202.06009.
 
-    Example:
+    Examples:
         >>> import torch, commopt
         >>> w = torch.nn.Parameter(torch.tensor([1.0, -2.0]))
         >>> opt = commopt.ZeroOneAdam([w], lr=0.1, var_freeze_step=3, var_update_scaler=1)
