@@ -395,20 +395,34 @@ def _mb(nbytes: float) -> str:
     return f"{nbytes / 1e6:.2f} MB"
 
 
-def report(variants: list[Variant], results: list[Result], cfg: Config, n: int, numel: int) -> str:
-    base = results[0]
-    lines = [
-        "",
+TABLE = pathlib.Path(__file__).parent / "results" / "table.md"
+"""Where a run with the default settings writes its table; the README quotes it
+(tests/unit/test_readme_demo_table.py) and a test re-trains the five rows and compares."""
+
+
+def settings_line(cfg: Config, n: int, numel: int) -> str:
+    return (
         f"{n} ranks, {cfg.steps} steps, batch {cfg.batch}/rank, {numel:,} parameters; "
         f"compressed optimizers: {cfg.warmup} warmup steps (ZeroOneAdam: variance-freeze "
-        "phase), then 1-bit",
-        "loss = cross-entropy in nats/byte (bits/byte = nats/byte / ln 2) on fixed "
-        f"{cfg.eval_contexts}-context samples",
-        "",
+        "phase), then 1-bit"
+    )
+
+
+def table(
+    variants: list[Variant], results: list[Result], cfg: Config, times: bool = True
+) -> list[str]:
+    """The comparison table as Markdown lines. Without ``times`` every column is a pure
+    function of the code and the settings (the same bits on every run): that is the table the
+    demo writes to a file and the README quotes."""
+    base = results[0]
+    widths = (12, 7, 7, 7, 8, 6, 6, 6, 5, 5, 7, 6)[: 12 if times else 10]
+    head = (
         f"| {'optimizer':<12} | {'train':>7} | {'val':>7} | {'val@wu':>7} | {'MB/rank':>8} "
-        f"| {'x all':>6} | {'x 1bit':>6} | {'calls':>6} | {'fp32':>5} | {'1-bit':>5} "
-        f"| {'ms/step':>7} | {'opt ms':>6} |",
-        "|" + "|".join("-" * (w + 2) for w in (12, 7, 7, 7, 8, 6, 6, 6, 5, 5, 7, 6)) + "|",
+        f"| {'x all':>6} | {'x 1bit':>6} | {'calls':>6} | {'fp32':>5} | {'1-bit':>5} |"
+    )
+    lines = [
+        head + (f" {'ms/step':>7} | {'opt ms':>6} |" if times else ""),
+        "|" + "|".join("-" * (w + 2) for w in widths) + "|",
     ]
     for variant, r in zip(variants, results, strict=True):
         total = sum(r.step_bytes)
@@ -419,12 +433,40 @@ def report(variants: list[Variant], results: list[Result], cfg: Config, n: int, 
             stage = f"{sum(base.step_bytes[start:]) / mine:.1f}x" if mine else "inf"
         else:
             stage = "-"
-        lines.append(
+        row = (
             f"| {r.label:<12} | {r.train_loss:7.4f} | {r.val_loss:7.4f} "
             f"| {r.loss_at_warmup:7.4f} | {total / 1e6:8.2f} | {ratio:5.1f}x | {stage:>6} "
-            f"| {r.calls:6d} | {r.full_rounds:5d} | {r.compressed_rounds:5d} "
-            f"| {statistics.median(r.step_ms):7.1f} | {statistics.median(r.opt_ms):6.1f} |"
+            f"| {r.calls:6d} | {r.full_rounds:5d} | {r.compressed_rounds:5d} |"
         )
+        if times:
+            row += f" {statistics.median(r.step_ms):7.1f} | {statistics.median(r.opt_ms):6.1f} |"
+        lines.append(row)
+    return lines
+
+
+def write_table(
+    path: pathlib.Path,
+    variants: list[Variant],
+    results: list[Result],
+    cfg: Config,
+    n: int,
+    numel: int,
+) -> None:
+    """Write the deterministic table (no timings) with the settings that produced it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    body = [settings_line(cfg, n, numel), "", *table(variants, results, cfg, times=False)]
+    path.write_text("\n".join(body) + "\n")
+
+
+def report(variants: list[Variant], results: list[Result], cfg: Config, n: int, numel: int) -> str:
+    lines = [
+        "",
+        settings_line(cfg, n, numel),
+        "loss = cross-entropy in nats/byte (bits/byte = nats/byte / ln 2) on fixed "
+        f"{cfg.eval_contexts}-context samples",
+        "",
+        *table(variants, results, cfg),
+    ]
     differ = [r.label for r in results if not r.identical]
     lines.append(
         "replicas bit-identical on every rank after training: "
@@ -517,6 +559,12 @@ def main(argv: list[str] | None = None) -> int:
         for text, count in seen.items():
             log(f"  warning ({variant.label}{f', {count} times' if count > 1 else ''}): {text}")
     log(report(selected, results, cfg, n, numel))
+    if rank == 0:
+        # Only the default settings' table is the README's; any other run writes beside it.
+        default = cfg == defaults and [v.label for v in selected] == labels and n == 4
+        path = TABLE if default else TABLE.with_name("table-custom.md")
+        write_table(path, selected, results, cfg, n, numel)
+        log(f"table written to {path}")
     log(f"total time {time.perf_counter() - t_start:.0f} s")
     if dist.is_initialized():
         dist.barrier()

@@ -54,12 +54,15 @@ or locally on forked ranks: ``python -m experiments.tcp.bench --world-size 4``.
 from __future__ import annotations
 
 import argparse
+import gc
 import hashlib
 import json
+import math
 import pathlib
 import statistics
 import sys
 import time
+import weakref
 from typing import Any
 
 import torch
@@ -158,6 +161,16 @@ def _digest(model: nn.Module) -> tuple[str, bool]:
     return h.hexdigest()[:16], all(int(w) == int(word) for w in words)
 
 
+def _rss_mb() -> float:
+    """This process's resident set size in MB (Linux /proc), NaN elsewhere."""
+    try:
+        with open("/proc/self/status") as f:
+            kb = next(line for line in f if line.startswith("VmRSS:")).split()[1]
+    except (OSError, StopIteration):
+        return math.nan
+    return int(kb) / 1024
+
+
 def _rounds(optimizer: Any) -> tuple[int, int] | None:
     """(full-precision, compressed) rounds so far of a commopt optimizer, else None."""
     if not hasattr(optimizer, "comm_stats"):
@@ -246,7 +259,19 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 + (f", same as off {entry['same_as_off']}" if "same_as_off" in entry else ""),
                 flush=True,
             )
+        # Every variant runs in this one process: what one leaves behind, the next pays for
+        # (an overlap optimizer's thread and staged buffers once grew RSS by 6 GB per rank).
+        freed = weakref.ref(setup.optimizer)
         del setup, model
+        gc.collect()
+        entry["optimizer_freed"] = freed() is None
+        entry["rss_mb_after"] = _rss_mb()
+        if rank == 0 and args.progress:
+            print(
+                f"  {'':<13} after it: RSS {entry['rss_mb_after']:.0f} MB, optimizer freed "
+                f"{entry['optimizer_freed']}",
+                flush=True,
+            )
     results["world_size"] = n
     return results
 
@@ -307,6 +332,14 @@ def report(results: dict[str, Any], args: argparse.Namespace, machine: str) -> s
             f"| {_rounds_text(e)} "
             f"| {_yes_no(e.get('replicas_identical'))} | {_yes_no(e.get('same_as_off'))} |"
         )
+    rss = [e["rss_mb_after"] for e in v.values()]
+    freed = [label for label, e in v.items() if not e["optimizer_freed"]]
+    lines += [
+        "",
+        f"Rank 0's RSS after each variant (all in one process): {rss[0]:.0f} MB after the first, "
+        f"{max(rss):.0f} MB at most, {rss[-1]:.0f} MB after the last; optimizers not freed: "
+        f"{', '.join(freed) or 'none'}.",
+    ]
     return "\n".join(lines) + "\n"
 
 

@@ -300,7 +300,7 @@ def test_two_ranks_resume_without_errors_and_schedules_is_not_exact():
 # trust ratios do not settle here: at step 750 they are 0.2–0.65 of their values at step 150
 # (per-step values, not the EMA), and 1-bit LAMB follows such drift only through its clamped
 # `factor`. The test asserts the honest bound below (15 %). Where the trust ratios do settle,
-# on the demo's byte LM, 1-bit LAMB is within 2 % of LAMB (test_demo_lamb_gloo.py);
+# on the demo's byte LM, 1-bit LAMB is within 2 % of LAMB (test_demo_table_gloo.py);
 # docs/algorithms/onebit_lamb.md has all three problems.
 LAMB_BOUND = 1.15
 LAMB_STEPS, LAMB_DIM, LAMB_HIDDEN = 750, 8, 32
