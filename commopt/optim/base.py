@@ -216,7 +216,7 @@ class CompressedOptimizer(BackwardWork, ConfigAttributes, torch.optim.Optimizer)
         params = [p for g in self.param_groups for p in g["params"]]
         try:
             if self._early is not None:  # overlap: the thread's collectives come first
-                self._early.drain()
+                self._early.drain(agree=True)
             self._agreement.check_model(self.backend, params, self.param_groups)
             states = self.flat_states
             step = self._step_now = self.global_state["step"] + 1
@@ -238,7 +238,9 @@ class CompressedOptimizer(BackwardWork, ConfigAttributes, torch.optim.Optimizer)
         # on every rank: DDP without commopt's hook averaged them (all ranks agree on this).
         digest = collective and self._early is None and self._ddp_checks_left > 0
         early = self._early if self._overlap else None  # did what it read change? (this rank)
-        why = early.reads.stale(step, self.param_groups) if early is not None else None
+        why = (
+            None if early is None else early.mismatch or early.reads.stale(step, self.param_groups)
+        )
         verdict = self._agreement.verdict(
             self.backend, params, self.param_groups, collective, digest, why is not None
         )

@@ -84,6 +84,8 @@ class EarlyWork:
         self._buffers = StagedBuffers()  # what the work writes, kept from step to step
         #: overlap: what the work read during backward, which step() checks is unchanged
         self.reads = EarlyReads()
+        #: overlap: why the ranks' early work differed this step (None: it did not)
+        self.mismatch: str | None = None
         # overlap=True: the jobs on the communication thread, in exchange order
         self._schedule = ExchangeSchedule(lambda: optimizer._hooks.thread)
 
@@ -159,12 +161,36 @@ class EarlyWork:
                 thread.on_close.append(closer)
         st.ticket = self._schedule.submit(state, job, cancel)
 
-    def drain(self) -> None:
+    def drain(self, agree: bool = False) -> None:
         """Close the open round and wait until the communication thread has run all of it;
         raise the error of any job that failed (after cancelling those behind it). Called by
-        ``step()`` before it communicates, so its collectives follow the thread's."""
-        if self._opt._overlap:
-            self._schedule.drain()
+        ``step()`` before it communicates, so its collectives follow the thread's; there
+        (``agree``) the ranks first agree that they started the same exchanges, else fill in
+        the missing ones and set :attr:`mismatch`: the step is then redone as ``overlap=False``
+        would (:meth:`ExchangeSchedule.agree`)."""
+        if not self._opt._overlap:
+            return
+        if agree and self._schedule.agree(self._opt.backend, self._fill):
+            self.mismatch = (
+                "the ranks' backward passes differ (a rank skipped backward or left a "
+                "parameter unused)"
+            )
+        self._schedule.drain()
+
+    def _fill(self, b: int) -> None:
+        """Queue, for bucket ``b``, the job the other ranks ran (its kind's collectives) on
+        zeroed staged buffers; whatever it computes is dropped with the redone step."""
+        state = (self._layout or [])[b]
+        st = self._staged_for(state)
+        if self._opt._early_kind(state, st.step) == AVERAGE:
+            st.arrived.clear()
+            self._buffers.gradient(state).zero_()
+            st.future = device_future(state.bucket.device)
+            self._start_average(state, st, threaded=True)
+            return
+        self._buffers.momentum(state).zero_()
+        st.seen = self._opt._hyperparameters()
+        self._submit(state, st, functools.partial(self._exchange, state, st))
 
     def settle(self) -> None:
         """Wait until the thread has run every job it can run now (not those behind a ticket
@@ -398,3 +424,4 @@ class EarlyWork:
                     st.future.wait()
         self._staged.clear()
         self.reads.clear()
+        self.mismatch = None

@@ -92,6 +92,29 @@ class ExchangeSchedule:
             self._base = None
         self.round += 1
 
+    def agree(self, backend: Backend, filler: Callable[[int], None]) -> bool:
+        """Before ``step()`` drains: whether every rank started the same exchanges in the open
+        round (one all-reduce of a 0/1 mask per position, on the main group, which the thread's
+        channel does not use). Where some ranks started an exchange and this rank did not (it
+        skipped backward, or left a parameter unused), ``filler(b)`` must queue a job for bucket
+        ``b`` that makes the same collectives, so that every rank's thread completes the round
+        instead of waiting for a peer forever. Collective; returns True when they differed."""
+        n = len(self._layout)
+        if backend.world_size == 1 or n == 0:
+            return False
+        mine = self._ticketed if self._base is not None else set()
+        counts = torch.zeros(n, dtype=torch.float32)  # fp32 moves on every backend
+        counts[sorted(mine)] = 1.0
+        backend.all_reduce(counts, "sum")
+        started = [int(c) for c in counts.tolist()]
+        if all(c in (0, backend.world_size) for c in started):
+            return False
+        order = self.exchange_order
+        for position, c in enumerate(started):
+            if c and position not in mine:
+                filler(order[position])
+        return True
+
     def drain(self) -> None:
         """Close the open round and wait until the thread has run all of it; raise the error of
         any job that failed (after cancelling those behind it)."""
