@@ -50,7 +50,9 @@ Semantics to know:
   the last one wins (its momentum is folded anew from the committed state).
 - **Gradient clipping** after backward (``clip_grad_norm_``) acts on averaged gradients in the
   warmup, as with DDP. In the compression stage the local gradient has already been folded
-  into the momentum when backward returns, so clipping ``p.grad`` changes nothing.
+  into the momentum when backward returns; ``step()`` sees that ``p.grad`` (or β1) changed
+  since and redoes the step as the standalone optimizer would, from ``p.grad`` (the same bits;
+  the communication paid twice in that step; :mod:`commopt.optim.early_reads`).
 - **GradScaler** (fp16 loss scaling) cannot be combined with the compression stage: the
   gradient is folded before the scaler unscales it; ``step()`` raises. bf16 autocast needs no
   scaler and works.
@@ -60,6 +62,7 @@ Semantics to know:
 
 # No ``from __future__ import annotations``: DDP checks the hook's annotations at run time
 # (``bucket: dist.GradBucket``, ``-> torch.futures.Future[torch.Tensor]``).
+import functools
 import logging
 from typing import Any
 
@@ -70,6 +73,7 @@ from commopt.comm import all_reduce_async
 from commopt.comm.handoff import completed_future, device_future
 from commopt.optim.base import CompressedOptimizer
 from commopt.optim.early import AVERAGE, GRADIENT, MOMENTUM
+from commopt.optim.early_reads import after_ddp_backward
 
 __all__ = ["OnebitHookState", "onebit_hook"]
 
@@ -141,6 +145,11 @@ class OnebitHookState:
         self.optimizer = None
 
 
+def _forget_grads(params: list[torch.Tensor]) -> None:
+    for p in params:
+        p.grad = None
+
+
 @torch.no_grad()
 def onebit_hook(
     state: OnebitHookState, bucket: dist.GradBucket
@@ -177,6 +186,12 @@ def onebit_hook(
         start += p.numel()
     # 1.
     kinds = work.plan(params)
+    # A parameter this rank did not use (find_unused_parameters=True) has no p.grad yet; DDP
+    # will write zeros there. Where the gradient stays local (0/1 Adam's local steps) the
+    # standalone optimizer would see None and leave the parameter alone: restore that.
+    unused = [p for p, k in zip(params, kinds, strict=True) if k is None and p.grad is None]
+    if unused:
+        after_ddp_backward(functools.partial(_forget_grads, unused))
     # 2.
     fold = [i for i, k in enumerate(kinds) if k in (MOMENTUM, GRADIENT)]
     if fold:

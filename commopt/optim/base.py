@@ -237,7 +237,7 @@ class CompressedOptimizer(BackwardWork, ConfigAttributes, torch.optim.Optimizer)
         # The first communicating steps also check whether the gradients are already identical
         # on every rank: DDP without commopt's hook averaged them (all ranks agree on this).
         digest = collective and self._early is None and self._ddp_checks_left > 0
-        early = self._early if self._overlap else None  # did what it read change? (this rank)
+        early = self._early  # did what the early work read change? (this rank)
         why = (
             None if early is None else early.mismatch or early.reads.stale(step, self.param_groups)
         )
@@ -247,8 +247,10 @@ class CompressedOptimizer(BackwardWork, ConfigAttributes, torch.optim.Optimizer)
         if self._early is not None and (verdict.redo or (why is not None and not collective)):
             # What the early work read changed after backward (on some rank): redo the step
             # as overlap=False would, from p.grad, the same bits (docs/overlap.md).
+            if collective and verdict.redo and self._early.mismatch is None:
+                self._early.decline()  # agreed on every rank: no second redo, no double cost
             self._early.clear()
-            warn_redone(type(self).__name__, why, self.backend.rank)
+            warn_redone(type(self).__name__, why, self.backend.rank, self._overlap)
         if digest:
             self._ddp_checks_left -= 1
             if verdict.identical:

@@ -86,6 +86,8 @@ class EarlyWork:
         self.reads = EarlyReads()
         #: overlap: why the ranks' early work differed this step (None: it did not)
         self.mismatch: str | None = None
+        #: the work is left to step() (:meth:`decline`)
+        self.declined = False
         # overlap=True: the jobs on the communication thread, in exchange order
         self._schedule = ExchangeSchedule(lambda: optimizer._hooks.thread)
 
@@ -116,8 +118,19 @@ class EarlyWork:
         kinds: list[str | None] = []
         for p in params:
             where = self.locate(p)
-            kinds.append(AVERAGE if where is None else self._opt._early_kind(where[0], step))
+            kind = AVERAGE if where is None else self._opt._early_kind(where[0], step)
+            if self.declined and (self._opt._overlap or kind != AVERAGE):
+                kind = None  # what it read kept changing after backward: step() does it
+            kinds.append(kind)
         return kinds
+
+    def decline(self) -> None:
+        """A step's early work was redone because what it read changed after backward (the
+        program clips, unscales or changes β1 every step, as a habit): from now on leave it to
+        ``step()``, which then communicates once instead of twice. Every rank calls this at the
+        same step (the redo is agreed), so every rank's backward starts the same work. Under the
+        DDP hook the warmup's averages stay in backward (they are what ``p.grad`` holds)."""
+        self.declined = True
 
     def _staged_for(self, state: FlatState) -> StagedWork:
         step = self.next_step()
@@ -326,6 +339,8 @@ class EarlyWork:
             self._fold_one(state, i, g, st.step)
             if threaded and g is not None:
                 self.reads.note(p, g, st.step, self._opt.param_groups)
+            elif g is not None:  # the DDP hook: p.grad is written when backward ends
+                self.reads.expect(p, st.step, self._opt.param_groups)
             st.folded.add(i)
             if len(st.folded) == len(state.bucket.params):
                 complete.append((state, st))

@@ -5,16 +5,33 @@ The early work consumes each gradient as soon as backward produces it, and β1 w
 backward and ``step()`` a program may clip or unscale ``p.grad`` in place, replace it, or let a
 scheduler change β1. A gradient tensor's ``_version`` moves with every in-place write, so
 keeping (tensor, version) per parameter and the groups' β1 is enough to tell.
+
+Under the DDP hook the work reads DDP's bucket, not ``p.grad``; DDP copies the bucket into
+``p.grad`` only when backward ends. So the hook marks the parameter (:meth:`EarlyReads.expect`)
+and :meth:`EarlyReads.after_backward` records ``p.grad`` and its version once DDP has written
+it (:func:`after_ddp_backward`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-__all__ = ["EarlyReads"]
+__all__ = ["EarlyReads", "after_ddp_backward"]
+
+
+def after_ddp_backward(fn: Callable[[], None]) -> None:
+    """Run ``fn`` at the end of the current backward pass, after DDP has written ``p.grad``.
+
+    Called during backward (from a DDP communication hook). DDP queues its
+    ``finalize_backward`` on the autograd engine while backward runs; a callback queued then
+    runs before it, but one queued *by* such a callback runs after every callback queued during
+    backward, DDP's included.
+    """
+    engine = torch.autograd.Variable._execution_engine  # type: ignore[attr-defined]
+    engine.queue_callback(lambda: engine.queue_callback(fn))
 
 
 class EarlyReads:
@@ -24,6 +41,7 @@ class EarlyReads:
         self._grads: dict[int, tuple[torch.Tensor, int]] = {}  # id(param) → (grad, version)
         self._betas: tuple[float, ...] = ()
         self._step = 0
+        self._expected: list[torch.Tensor] = []  # DDP hook: p.grad not written yet
 
     def note(
         self, p: torch.Tensor, g: torch.Tensor, step: int, groups: Sequence[dict[str, Any]]
@@ -35,6 +53,24 @@ class EarlyReads:
             self._step = step
             self._betas = tuple(group["betas"][0] for group in groups)
         self._grads[id(p)] = (g, g._version)
+
+    def expect(self, p: torch.Tensor, step: int, groups: Sequence[dict[str, Any]]) -> None:
+        """The DDP hook folded ``p``'s gradient for step ``step``; its ``p.grad`` is recorded
+        at the end of backward (:meth:`after_backward`)."""
+        if self._step != step:
+            self.clear()
+            self._step = step
+            self._betas = tuple(group["betas"][0] for group in groups)
+        if not self._expected:
+            after_ddp_backward(self.after_backward)
+        self._expected.append(p)
+
+    def after_backward(self) -> None:
+        """Record ``p.grad`` and its version for every parameter :meth:`expect` named."""
+        for p in self._expected:
+            if p.grad is not None:
+                self._grads[id(p)] = (p.grad, p.grad._version)
+        self._expected.clear()
 
     def stale(self, step: int, groups: Sequence[dict[str, Any]]) -> str | None:
         """Why what step ``step``'s work read no longer holds on this rank, or None."""
@@ -52,3 +88,4 @@ class EarlyReads:
 
     def clear(self) -> None:
         self._grads.clear()
+        self._expected.clear()

@@ -71,15 +71,26 @@ def warn_averaged_already(name: str, rank: int) -> None:
 _redone: set[str] = set()
 
 
-def warn_redone(name: str, why: str | None, rank: int) -> None:
-    """Once per optimizer class and process, on rank 0: ``overlap=True``'s early work of a step
-    was redone in ``step()`` because what it read changed after backward."""
+def warn_redone(name: str, why: str | None, rank: int, overlap: bool = True) -> None:
+    """Once per optimizer class and process, on rank 0: the early work of a step
+    (``overlap=True``'s, or the DDP hook's) was redone in ``step()`` because what it read
+    changed after backward."""
     if rank != 0 or name in _redone:
         return
     _redone.add(name)
+    if overlap:
+        warn_at_caller(
+            f"{name}: {why or 'on another rank, what overlap=True read changed after backward'}; "
+            "the step was redone as overlap=False would (same result, the communication paid "
+            "twice). From now on this optimizer leaves that work to step(), i.e. runs as "
+            "overlap=False. Change gradients or beta1 before backward ends to keep the overlap "
+            "(docs/overlap.md)"
+        )
+        return
     warn_at_caller(
-        f"{name}: {why or 'on another rank, what overlap=True read changed after backward'}; "
-        "the step was redone as overlap=False would (same result), so overlap gains nothing "
-        "in such steps and pays the communication twice. Change gradients or beta1 before "
-        "backward ends, or use overlap=False (docs/overlap.md)"
+        f"{name}: {why or 'on another rank, what the DDP hook read changed after backward'}; "
+        "the step was redone as the standalone optimizer would (same result, the "
+        "communication paid twice). From now on the hook leaves the compressed exchange to "
+        "step() (the same result, paid once, no longer during backward). Change gradients or "
+        "beta1 before backward ends to keep it in backward (docs/ddp.md)"
     )

@@ -25,7 +25,7 @@ def _train(backend, name: str, overlap: bool, habit: str) -> dict:
     model = torch.nn.Sequential(torch.nn.Linear(10, 40), torch.nn.Tanh(), torch.nn.Linear(40, 3))
     opt = info.make(model.parameters(), backend=backend, overlap=overlap, bucket_numel=200)
     gen = torch.Generator().manual_seed(backend.rank)
-    digests = []
+    digests, rounds = [], []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for step in range(1, info.steps + 1):
@@ -38,10 +38,13 @@ def _train(backend, name: str, overlap: bool, habit: str) -> dict:
                 for group in opt.param_groups:
                     group["betas"] = (0.85 + 0.01 * step, group["betas"][1])
             opt.step()
+            stats = opt.comm_stats()
+            rounds.append(stats["full_precision_rounds"] + stats["compressed_rounds"])
             flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
             digests.append(hashlib.sha1(flat.numpy().tobytes()).hexdigest()[:16])
     redone = [str(w.message) for w in caught if "was redone as overlap=False" in str(w.message)]
-    return {"digests": digests, "redone": redone}
+    per_step = [b - a for a, b in zip([0, *rounds], rounds, strict=False)]
+    return {"digests": digests, "redone": redone, "rounds": per_step}
 
 
 @pytest.mark.parametrize("habit", ["clip", "beta1"])
@@ -52,6 +55,11 @@ def test_overlap_equals_overlap_false_under_the_habit(name: str, habit: str) -> 
     assert [r["digests"] for r in on] == [r["digests"] for r in off]
     assert len(on[0]["redone"]) == 1 and on[1]["redone"] == []
     assert off[0]["redone"] == []
+    # The communication is paid twice in the first step that changed what the work read, and
+    # once in every other: after the redo the optimizer runs as overlap=False.
+    pairs = zip(on[0]["rounds"], off[0]["rounds"], strict=True)
+    differ = [k for k, (a, b) in enumerate(pairs) if a != b]
+    assert len(differ) == 1 and on[0]["rounds"][differ[0]] > off[0]["rounds"][differ[0]]
 
 
 def test_no_redo_without_the_habit() -> None:
