@@ -99,8 +99,11 @@ class OnebitHookState:
        up to 2**25 elements, so for most models there is one, exchanged at the end of
        backward. Its result is the same whatever DDP's buckets are.
     4. ``gradient_as_bucket_view=True`` saves DDP one gradient-sized copy and changes nothing
-       here. ``find_unused_parameters=True`` works: an unused parameter arrives with a zero
-       gradient, as it would to the optimizer after DDP.
+       here. ``find_unused_parameters=True`` works and gives the standalone optimizer's
+       results: a parameter a rank did not use arrives with a zero gradient, which is what the
+       standalone optimizer makes of a missing gradient in a step that communicates; in 0/1
+       Adam's local steps, where it would see ``None`` and leave the parameter alone, the hook
+       restores ``p.grad = None`` once DDP has finished.
 
     Memory: in the compression stage, per optimizer bucket, a staged momentum and staged error
     buffers, about (2 + 1/n)·4 bytes per parameter for n ranks (:mod:`commopt.optim.early`).
