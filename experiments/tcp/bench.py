@@ -54,6 +54,8 @@ or locally on forked ranks: ``python -m experiments.tcp.bench --world-size 4``.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ctypes
 import gc
 import hashlib
 import json
@@ -162,7 +164,10 @@ def _digest(model: nn.Module) -> tuple[str, bool]:
 
 
 def _rss_mb() -> float:
-    """This process's resident set size in MB (Linux /proc), NaN elsewhere."""
+    """This process's resident set size in MB (Linux /proc), NaN elsewhere, after glibc has
+    returned the free heap it keeps (``malloc_trim``): what is left is memory still in use."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
     try:
         with open("/proc/self/status") as f:
             kb = next(line for line in f if line.startswith("VmRSS:")).split()[1]
