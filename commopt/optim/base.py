@@ -215,8 +215,10 @@ class CompressedOptimizer(BackwardWork, ConfigAttributes, torch.optim.Optimizer)
                 loss = closure()
         params = [p for g in self.param_groups for p in g["params"]]
         try:
-            if self._early is not None:  # overlap: the thread's collectives come first
-                self._early.drain(agree=True)
+            if self._overlap:  # the thread's collectives come first (on every rank, one that
+                self.early_work.drain(agree=True)  # skipped backward included)
+            elif self._early is not None:
+                self._early.drain()
             self._agreement.check_model(self.backend, params, self.param_groups)
             states = self.flat_states
             step = self._step_now = self.global_state["step"] + 1

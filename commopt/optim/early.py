@@ -94,6 +94,10 @@ class EarlyWork:
     # -- where a parameter lives ----------------------------------------------------------------
     def locate(self, p: torch.Tensor) -> tuple[FlatState, int] | None:
         """The optimizer bucket holding ``p`` and its index there (None: not this optimizer's)."""
+        self._follow_layout()
+        return self._where.get(id(p))
+
+    def _follow_layout(self) -> None:
         states = self._opt.flat_states
         if states is not self._layout:  # laid out anew (first use, new group, loaded state)
             self.drain()  # nothing of the old layout may still be in flight
@@ -104,7 +108,6 @@ class EarlyWork:
             }
             self._staged.clear()
             self._buffers.clear()
-        return self._where.get(id(p))
 
     def next_step(self) -> int:
         """The step the work is for: the optimizer's next ``step()``."""
@@ -166,7 +169,8 @@ class EarlyWork:
         cancel: Callable[[BaseException], None] | None = None,
     ) -> None:
         """Queue the bucket's job at its position of the open round, on the thread's own
-        channel (opened at the first job, by every rank alike: :mod:`commopt.comm.channels`)."""
+        channel (opened when the optimizer was built, by every rank alike; at the first job if
+        not: :mod:`commopt.comm.channels`)."""
         thread = self._thread
         if thread.channel is None:
             thread.channel, closer = open_channel(self._opt.backend)
@@ -183,6 +187,8 @@ class EarlyWork:
         would (:meth:`ExchangeSchedule.agree`)."""
         if not self._opt._overlap:
             return
+        if agree:  # on the current layout, even where no backward pass has set it up yet
+            self._follow_layout()
         if agree and self._schedule.agree(self._opt.backend, self._fill):
             self.mismatch = (
                 "the ranks' backward passes differ (a rank skipped backward or left a "

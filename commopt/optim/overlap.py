@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from commopt.comm.channels import open_channel
 from commopt.optim.comm_thread import CommThread
 from commopt.optim.early import EarlyWork
 from commopt.optim.flat_state import FlatState
@@ -180,8 +181,15 @@ class BackwardWork:
         return self._hooks.enabled
 
     def _start_overlap(self) -> None:
-        """Start each bucket's work during backward (``overlap=True``; :mod:`.overlap`)."""
+        """Start each bucket's work during backward (``overlap=True``; :mod:`.overlap`), its
+        collectives on a channel of their own, opened here: collectively, while every rank
+        builds the optimizer (not at the first job, which a rank that skips that backward pass
+        would never reach)."""
         self._hooks.enable([p for g in self.param_groups for p in g["params"]])
+        thread = self._hooks.thread
+        thread.channel, closer = open_channel(self.backend)
+        if closer is not None:  # freed with the thread (the optimizer is dropped)
+            thread.on_close.append(closer)
 
     def _set_overlap(self, overlap: bool, bucket_numel: int | None) -> None:
         """The constructor's ``overlap`` and ``bucket_numel`` (None: the class's layout),
