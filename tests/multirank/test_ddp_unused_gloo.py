@@ -35,12 +35,14 @@ class Net(torch.nn.Module):
         return self.head(h) + (self.aux(h) if self.use_aux else 0)
 
 
-def _train(backend, name: str, hook: bool) -> list[str]:
+def _train(backend, name: str, hook: bool, view: bool = False) -> list[str]:
     torch.manual_seed(0)
     net = Net()
     model = net
     if hook:
-        model = DistributedDataParallel(copy.deepcopy(net), find_unused_parameters=True)
+        model = DistributedDataParallel(
+            copy.deepcopy(net), find_unused_parameters=True, gradient_as_bucket_view=view
+        )
         net = model.module
     opt = OPTIMIZERS[name](model.parameters(), backend)
     if hook:
@@ -57,8 +59,9 @@ def _train(backend, name: str, hook: bool) -> list[str]:
     return digests
 
 
+@pytest.mark.parametrize("view", [False, True], ids=["copy", "bucket_view"])
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
-def test_find_unused_parameters_equals_standalone(name: str) -> None:
-    hooked = run_ranks(_train, 2, name, True, timeout=120)
+def test_find_unused_parameters_equals_standalone(name: str, view: bool) -> None:
+    hooked = run_ranks(_train, 2, name, True, view, timeout=120)
     alone = run_ranks(_train, 2, name, False, timeout=120)
     assert hooked == alone  # every step, both ranks (0/1 Adam's local steps are 7 and 9)
