@@ -23,6 +23,7 @@ import torch
 from commopt import pipelined
 from commopt.comm import Backend, resolve_backend
 from commopt.kernels import Kernels, get_kernels
+from commopt.output_pool import output_like
 
 __all__ = [
     "NonFiniteError",
@@ -132,7 +133,9 @@ def compressed_allreduce(
         worker_error: e, fp32, ``padded_size(tensor.numel(), n)`` elements; updated in place.
         server_error: f, fp32, N // n elements; updated in place.
         backend: where to communicate; ``None`` resolves as in :func:`commopt.comm.resolve_backend`.
-        out: where to write y (may be ``tensor`` itself); a new tensor if ``None``.
+        out: where to write y (may be ``tensor`` itself); a new tensor if ``None`` (on CPU,
+            the buffer of an earlier result the caller has dropped, if any:
+            :mod:`commopt.output_pool`).
         pipeline: run steps 4–9 in this many stages, so that packing, averaging and unpacking
             overlap the transfers (:mod:`commopt.pipelined`; same bytes, same result bit for
             bit). ``None`` (default) chooses from the size: no stages below 8M elements, up to
@@ -179,8 +182,8 @@ def compressed_allreduce_and_scale(
     )
     if pipeline is not None and (isinstance(pipeline, bool) or pipeline < 1):
         raise ValueError(f"pipeline must be a stage count >= 1 or None, got {pipeline!r}")
-    if out is None:
-        out = torch.empty_like(tensor)
+    if out is None:  # a released result's buffer, on CPU (fresh pages cost more than the call)
+        out = output_like(tensor)
     elif out.shape != tensor.shape or out.dtype != tensor.dtype:
         raise ValueError(
             f"out must match the tensor's shape and dtype ({tensor.shape}, {tensor.dtype})"
