@@ -112,14 +112,23 @@ class OnebitHookState:
         optimizer: a commopt optimizer (:class:`~commopt.OnebitAdam`,
             :class:`~commopt.OnebitLamb`, :class:`~commopt.ZeroOneAdam`) over the DDP model's
             parameters.
+        exchange_in_backward: in the compression stage (and 0/1 Adam's 1-bit steps), fold the
+            local gradient and run the 1-bit exchange during backward, overlapped with it
+            (default). ``False``: leave the local gradients to ``step()``, which compresses them
+            as the standalone optimizer does; the warmup's averages still run in backward. The
+            in-backward exchange stages the error buffers and the momentum (three extra memory
+            passes per step), which only pays when backward is long next to the exchange; on
+            CPU-bound hosts ``False`` with DDP's ``gradient_as_bucket_view=True`` came within
+            1.04× of the standalone optimizer, against 1.25× (docs/performance.md, "The DDP
+            hook against the standalone optimizer"). The results are the same bits either way.
 
     Raises:
         TypeError: ``optimizer`` is not a commopt optimizer.
     """
 
-    __slots__ = ("optimizer",)
+    __slots__ = ("exchange_in_backward", "optimizer")
 
-    def __init__(self, optimizer: CompressedOptimizer) -> None:
+    def __init__(self, optimizer: CompressedOptimizer, exchange_in_backward: bool = True) -> None:
         if not isinstance(optimizer, CompressedOptimizer):
             raise TypeError(
                 f"OnebitHookState needs a commopt optimizer (OnebitAdam, OnebitLamb, "
@@ -136,16 +145,21 @@ class OnebitHookState:
         # error buffers and the work staged for the next step. Keeping them there (not here,
         # per DDP bucket) is what makes the hook's results the standalone optimizer's.
         self.optimizer: CompressedOptimizer | None = optimizer
+        if not isinstance(exchange_in_backward, bool):
+            raise TypeError(
+                f"exchange_in_backward must be True or False, got {exchange_in_backward!r}"
+            )
+        self.exchange_in_backward = exchange_in_backward
 
     def __getstate__(self) -> dict[str, Any]:
         # Pickling a DDP model pickles its hook state; the optimizer is saved on its own
         # (state_dict), so it is left out here and must be re-attached.
         logger.info("OnebitHookState: the optimizer is not pickled; set state.optimizer again")
-        return {}
+        return {"exchange_in_backward": self.exchange_in_backward}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        del state
         self.optimizer = None
+        self.exchange_in_backward = state.get("exchange_in_backward", True)
 
 
 def _forget_grads(params: list[torch.Tensor]) -> None:
@@ -181,6 +195,8 @@ def onebit_hook(
             "OnebitHookState has no optimizer (it was unpickled); set state.optimizer"
         )
     work = opt.early_work
+    if not state.exchange_in_backward:
+        work.decline()  # (every call: a loaded state dict builds the early work anew)
     buffer = bucket.buffer()
     params = bucket.parameters()
     slices, start = [], 0

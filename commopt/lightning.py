@@ -39,12 +39,18 @@ class OnebitHookCallback(Callback):
     """Registers :func:`commopt.ddp.onebit_hook` on Lightning's DDP model at ``on_fit_start``,
     paired with the module's one commopt optimizer.
 
+    Args:
+        exchange_in_backward: passed to :class:`~commopt.ddp.OnebitHookState` (False: the 1-bit
+            exchange runs in ``step()``; with ``DDPStrategy(gradient_as_bucket_view=True)`` the
+            faster choice on CPU-bound hosts, docs/ddp.md).
+
     Raises:
         ValueError: under DDP, ``configure_optimizers`` returned no commopt optimizer, or more
             than one (DDP takes one communication hook per model).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, exchange_in_backward: bool = True) -> None:
+        self.exchange_in_backward = exchange_in_backward
         self.state: OnebitHookState | None = None
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -58,5 +64,5 @@ class OnebitHookCallback(Callback):
                 "OnebitHookCallback needs exactly one commopt optimizer (OnebitAdam, OnebitLamb, "
                 f"ZeroOneAdam) from configure_optimizers; found: {found}"
             )
-        self.state = OnebitHookState(ours[0])
+        self.state = OnebitHookState(ours[0], self.exchange_in_backward)
         model.register_comm_hook(self.state, onebit_hook)

@@ -81,6 +81,8 @@ ALL_VARIANTS = (
     "OnebitLamb",
     "OnebitAdam-overlap",  # OnebitAdam(overlap=True): bucket work starts from gradient hooks
     "DDP-OnebitAdam",  # DDP with commopt.ddp.onebit_hook, paired with OnebitAdam
+    # the same, the 1-bit exchange left to step(), DDP's gradients as views of its buckets
+    "DDP-OnebitAdam-late",
     "OnebitLamb-overlap",
     "ZeroOneAdam-overlap",
     "ZeroOneAdam-1bitA",  # phase A only, 1-bit gradient steps between sparse variance steps
@@ -335,7 +337,7 @@ class Setup:
     def stage(self, step: int, hp: Hyper) -> str:
         """Which stage step ``step`` (1-based) belongs to, for logs and CSVs."""
         base = self.label.removesuffix("-overlap")
-        if base in ("OnebitAdam", "OnebitLamb", "DDP-OnebitAdam"):
+        if base in ("OnebitAdam", "OnebitLamb", "DDP-OnebitAdam", "DDP-OnebitAdam-late"):
             return "warmup" if step <= hp.warmup else "compressed"
         if base == "ZeroOneAdam-1bitA":
             return "phaseA"
@@ -357,8 +359,9 @@ def make_setup(label: str, model: nn.Module, hp: Hyper) -> Setup:
     commopt.broadcast_parameters(model, backend=backend)
     backend.stats.reset()
     n = backend.world_size
-    if label == "DDP-OnebitAdam":
-        ddp = DistributedDataParallel(model)
+    if label in ("DDP-OnebitAdam", "DDP-OnebitAdam-late"):
+        late = label.endswith("-late")
+        ddp = DistributedDataParallel(model, gradient_as_bucket_view=late)
         opt = commopt.OnebitAdam(
             ddp.parameters(),
             lr=hp.lr,
@@ -367,7 +370,8 @@ def make_setup(label: str, model: nn.Module, hp: Hyper) -> Setup:
             freeze_step=hp.warmup,
             backend=backend,
         )
-        ddp.register_comm_hook(commopt.ddp.OnebitHookState(opt), commopt.ddp.onebit_hook)
+        hook_state = commopt.ddp.OnebitHookState(opt, exchange_in_backward=not late)
+        ddp.register_comm_hook(hook_state, commopt.ddp.onebit_hook)
         return Setup(label, ddp, opt, backend, None, average_gradients=False)
     if label.startswith("DDP"):
         if label == "DDP-PowerSGD":

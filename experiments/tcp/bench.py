@@ -85,6 +85,7 @@ TCP_VARIANTS = (
     "OnebitLamb",
     "OnebitAdam-overlap",
     "DDP-OnebitAdam",
+    "DDP-OnebitAdam-late",
     "OnebitLamb-overlap",
     "ZeroOneAdam-overlap",
     "ZeroOneAdam-1bitA",

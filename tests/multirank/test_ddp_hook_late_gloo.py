@@ -1,0 +1,58 @@
+"""``OnebitHookState(opt, exchange_in_backward=False)``: the hook leaves the compression stage's
+1-bit exchange to ``step()`` (no staged copies; docs/performance.md), the warmup's averages stay
+in backward, and the results are the standalone optimizer's, bit for bit, for each optimizer,
+with and without ``gradient_as_bucket_view``."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+
+import pytest
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+import commopt
+from tests.multirank.harness import run_ranks
+from tests.multirank.test_ddp_hook_gloo import OPTIMIZERS, STEPS, _batch, _model
+
+
+def _train(backend, name: str, hook: str, view: bool) -> dict:
+    plain = _model()
+    model = (
+        plain
+        if hook == "none"
+        else DistributedDataParallel(copy.deepcopy(plain), gradient_as_bucket_view=view)
+    )
+    opt = OPTIMIZERS[name](model.parameters(), backend)
+    if hook != "none":
+        state = commopt.ddp.OnebitHookState(opt, exchange_in_backward=hook == "early")
+        model.register_comm_hook(state, commopt.ddp.onebit_hook)
+    digests, in_backward = [], 0
+    for step in range(1, STEPS + 1):
+        x, y = _batch(backend.rank, step)
+        opt.zero_grad()
+        before = opt.comm_stats()["compressed_rounds"]
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        in_backward += opt.comm_stats()["compressed_rounds"] - before
+        opt.step()
+        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        digests.append(hashlib.sha1(flat.numpy().tobytes()).hexdigest()[:16])
+    return {"digests": digests, "in_backward": in_backward}
+
+
+@pytest.mark.parametrize("view", [False, True], ids=["copy", "bucket_view"])
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_late_exchange_equals_standalone(name: str, view: bool) -> None:
+    late = run_ranks(_train, 2, name, "late", view, timeout=120)
+    early = run_ranks(_train, 2, name, "early", view, timeout=120)
+    alone = run_ranks(_train, 2, name, "none", False, timeout=120)
+    assert [r["digests"] for r in late] == [r["digests"] for r in alone]
+    assert [r["digests"] for r in early] == [r["digests"] for r in alone]
+    assert late[0]["in_backward"] == 0 < early[0]["in_backward"]
+
+
+def test_exchange_in_backward_must_be_a_bool() -> None:
+    opt = commopt.OnebitAdam(torch.nn.Linear(2, 2).parameters(), freeze_step=1)
+    with pytest.raises(TypeError, match="exchange_in_backward must be True or False"):
+        commopt.ddp.OnebitHookState(opt, exchange_in_backward="no")
