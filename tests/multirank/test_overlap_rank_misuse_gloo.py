@@ -33,13 +33,21 @@ class Net(torch.nn.Module):
         return self.head(h) + (self.aux(h) if use_aux else 0)
 
 
-def _train(backend, name: str, overlap: bool, misuse: str, at: tuple[int, ...] = ()) -> dict:
+def _train(
+    backend,
+    name: str,
+    overlap: bool,
+    misuse: str,
+    at: tuple[int, ...] = (),
+    odd: tuple[int, ...] = (1,),
+    bucket_numel: int | None = 200,
+) -> dict:
     info = next(i for i in OPTIMIZERS if i.name == name)
     torch.manual_seed(0)
     model = Net()
-    opt = info.make(model.parameters(), backend=backend, overlap=overlap, bucket_numel=200)
+    opt = info.make(model.parameters(), backend=backend, overlap=overlap, bucket_numel=bucket_numel)
     gen = torch.Generator().manual_seed(backend.rank)
-    odd = backend.rank == 1
+    odd = backend.rank in odd
     digests = []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -77,3 +85,14 @@ def test_a_skipped_backward_at_any_step_equals_overlap_false(name: str) -> None:
         on = run_ranks(_train, WORLD, name, True, "skip", (k,), timeout=120)
         off = run_ranks(_train, WORLD, name, False, "skip", (k,), timeout=120)
         assert [r["digests"] for r in on] == [r["digests"] for r in off], k
+
+
+@pytest.mark.parametrize("name", [i.name for i in OPTIMIZERS])
+def test_four_ranks_two_of_them_misbehave(name: str) -> None:
+    """4 ranks, one bucket per optimizer (the default layout): ranks 1 and 3 skip backward
+    (or leave the layer unused) at the same steps, ranks 0 and 2 do not."""
+    for misuse in ("skip", "unused"):
+        on = run_ranks(_train, 4, name, True, misuse, (), (1, 3), None, timeout=180)
+        off = run_ranks(_train, 4, name, False, misuse, (), (1, 3), None, timeout=180)
+        assert [r["digests"] for r in on] == [r["digests"] for r in off], misuse
+        assert on[0]["redone"] and not any(r["redone"] for r in on[1:]), misuse
