@@ -53,6 +53,7 @@ import torch
 from commopt.comm.channels import open_channel
 from commopt.comm.handoff import device_future
 from commopt.compressed import NonFiniteError
+from commopt.optim.early_kind import Kind
 from commopt.optim.early_reads import EarlyReads
 from commopt.optim.exchange_schedule import ExchangeSchedule
 from commopt.optim.flat_state import FlatState
@@ -65,12 +66,7 @@ if TYPE_CHECKING:
 
 __all__ = ["AVERAGE", "GRADIENT", "MOMENTUM", "EarlyWork"]
 
-#: the step averages the gradient at full precision; the hook may do it
-AVERAGE = "average"
-#: the step folds the local gradient into the momentum and exchanges the momentum at one bit
-MOMENTUM = "momentum"
-#: the step exchanges this rank's gradient at one bit; the hook may do it on a staged copy
-GRADIENT = "gradient"
+AVERAGE, MOMENTUM, GRADIENT = Kind.AVERAGE, Kind.MOMENTUM, Kind.GRADIENT
 
 
 class EarlyWork:
@@ -113,12 +109,12 @@ class EarlyWork:
         """The step the work is for: the optimizer's next ``step()``."""
         return self._opt.global_state["step"] + 1
 
-    def plan(self, params: Sequence[torch.Tensor]) -> list[str | None]:
+    def plan(self, params: Sequence[torch.Tensor]) -> list[Kind | None]:
         """Per parameter: :data:`AVERAGE` (average its gradient now: its step does so, or this
         optimizer does not own it, so its owner expects DDP's average), :data:`MOMENTUM`,
         :data:`GRADIENT`, or ``None`` (leave the gradient local: ``step()`` communicates)."""
         step = self.next_step()
-        kinds: list[str | None] = []
+        kinds: list[Kind | None] = []
         for p in params:
             where = self.locate(p)
             kind = AVERAGE if where is None else self._opt._early_kind(where[0], step)

@@ -15,6 +15,7 @@ from commopt.optim.config import (
     check_adam_arguments,
     document_schedule,
 )
+from commopt.optim.early_kind import Kind
 from commopt.optim.flat_state import FlatState
 from commopt.step_guard import guarded_denominator, guarded_elements, step_bound
 
@@ -184,11 +185,11 @@ class OnebitAdam(CompressedOptimizer):
         if observed and automatic and math.isinf(freeze_step):
             self._observe_variance(step, self._variance_level(observed, step))
 
-    def _early_kind(self, state: FlatState, step: int) -> str | None:
+    def _early_kind(self, state: FlatState, step: int) -> Kind | None:
         """A DDP hook may average the warmup's gradients and, after it, fold and exchange the
         momentum (commopt.ddp)."""
         t = step - self.first_step(state)
-        return "average" if t <= self.frozen_after() else "momentum"
+        return Kind.AVERAGE if t <= self.frozen_after() else Kind.MOMENTUM
 
     def _variance_level(self, states: list[FlatState], t: int) -> VarianceLevel:
         """Σ_k ln mean(√v̂_k) over the tensors of these buckets (v̂ bias-corrected as used)."""

@@ -18,6 +18,7 @@ from commopt.optim.config import (
     check_adam_arguments,
     document_schedule,
 )
+from commopt.optim.early_kind import Kind
 from commopt.optim.flat_state import FlatState
 from commopt.optim.lamb_scaling import early_sigma, exchange_scaled_, freeze_scaling_coeffs
 from commopt.optim.per_tensor import per_tensor, scale_tensors_, tensor_norms, tensor_ranges
@@ -239,12 +240,12 @@ class OnebitLamb(CompressedOptimizer):
 
     _fold_missing_as_zero = True  # _exchange_momentum folds gather_grads' zeros through lerp
 
-    def _early_kind(self, state: FlatState, step: int) -> str | None:
+    def _early_kind(self, state: FlatState, step: int) -> Kind | None:
         """A DDP hook may average the warmup's gradients and, in the compression stage, fold
         the local gradient into a staged momentum and exchange it scaled by σ (commopt.ddp):
         both depend on the gradient and the committed state alone."""
         t = step - self.first_step(state)
-        return "average" if t <= self.frozen_after() else "momentum"
+        return Kind.AVERAGE if t <= self.frozen_after() else Kind.MOMENTUM
 
     def _early_exchange(
         self, state: FlatState, m: torch.Tensor, errors: dict[str, torch.Tensor], step: int

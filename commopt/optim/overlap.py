@@ -28,6 +28,7 @@ import torch
 from commopt.comm.channels import open_channel
 from commopt.optim.comm_thread import CommThread
 from commopt.optim.early import EarlyWork
+from commopt.optim.early_kind import Kind
 from commopt.optim.flat_state import FlatState
 
 if TYPE_CHECKING:
@@ -82,9 +83,9 @@ class GradientHooks:
             return
         work = self._opt.early_work
         kind = work.plan([p])[0]
-        if kind == "average" and work.locate(p) is not None:
+        if kind == Kind.AVERAGE and work.locate(p) is not None:
             work.average([p], [p.grad], last=False, threaded=True)
-        elif kind in ("momentum", "gradient", "sync"):
+        elif kind in (Kind.MOMENTUM, Kind.GRADIENT, Kind.SYNC):
             work.fold([p], [p.grad], threaded=True)
 
 
@@ -118,9 +119,9 @@ class BackwardWork:
             self._early = EarlyWork(self)
         return self._early
 
-    def _early_kind(self, state: FlatState, step: int) -> str | None:
-        """What of step ``step`` may start during backward for this bucket: ``"average"``,
-        ``"momentum"``, ``"gradient"`` (see :mod:`.early`) or None (nothing: ``step()``
+    def _early_kind(self, state: FlatState, step: int) -> Kind | None:
+        """What of step ``step`` may start during backward for this bucket: a
+        :class:`~commopt.optim.early_kind.Kind` (see :mod:`.early`) or None (nothing: ``step()``
         communicates). An algorithm that returns a kind must consume it:
         :meth:`_averaged_grads`, :meth:`_take_exchanged_momentum`,
         :meth:`_take_exchanged_gradient`."""

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from commopt.compressed import NonFiniteError
+from commopt.optim.early_kind import Kind
 from commopt.optim.staged import StagedWork
 from commopt.optim.user_warning import warn_at_caller
 from commopt.step_guard import bound_step_, guarded_elements
@@ -44,7 +45,7 @@ if TYPE_CHECKING:
 __all__ = ["SYNC", "ZeroOneSync", "commit_staged_sync", "sync_bucket_", "warn_diverged"]
 
 #: the step is a phase-B sync: fold the gradient, stage the local update and the sync
-SYNC = "sync"
+SYNC = Kind.SYNC
 
 
 def warn_diverged() -> None:
@@ -83,15 +84,15 @@ class ZeroOneSync:
             self, state: FlatState, flat: torch.Tensor, comm: dict[str, torch.Tensor] | None = None
         ) -> torch.Tensor: ...
 
-    def _early_kind(self, state: FlatState, step: int) -> str | None:
+    def _early_kind(self, state: FlatState, step: int) -> Kind | None:
         """A variance step's average and a 1-bit step's gradient exchange may start during
         backward (DDP hook or overlap); with ``overlap=True`` also a sync step, staged
         (this module). Local steps send nothing; the DDP hook leaves syncs to ``step()``
         (docs/ddp.md)."""
         if self._is_variance_step(step):
-            return "average"
+            return Kind.AVERAGE
         if step <= self.frozen_after():
-            return "gradient"
+            return Kind.GRADIENT
         if self._overlap and self._is_sync_step(step):
             if all(p.dtype == torch.float32 for p in state.bucket.params):
                 return SYNC
