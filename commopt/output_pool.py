@@ -18,6 +18,7 @@ interpreter or torch cannot tell (checked once at import), every call allocates.
 
 from __future__ import annotations
 
+import functools
 import sys
 import threading
 from collections import OrderedDict
@@ -40,8 +41,10 @@ def _released(entry: tuple[torch.Tensor, int]) -> bool:
     return sys.getrefcount(t) == 3 and t._use_count() == 1 and _holders(t) <= entry[1]
 
 
+@functools.cache
 def _counts_work() -> bool:
-    """The reference counts behave as :func:`_released` expects on this interpreter."""
+    """The reference counts behave as :func:`_released` expects on this interpreter (checked
+    once, at the first call without ``out=`` on CPU, not at import)."""
     if _use_count is None or not hasattr(torch.Tensor, "_use_count"):
         return False
     t = torch.empty(1)
@@ -74,7 +77,7 @@ class OutputPool:
     def like(self, tensor: torch.Tensor) -> torch.Tensor:
         """A tensor like ``torch.empty_like(tensor)``, contents undefined, owned by the caller
         until it drops it."""
-        if tensor.device.type != "cpu" or not _WORKS:
+        if tensor.device.type != "cpu" or not _counts_work():
             return torch.empty_like(tensor)
         key = (tuple(tensor.shape), tensor.stride(), tensor.dtype)
         with self._lock:
@@ -96,7 +99,6 @@ class OutputPool:
             self._kept.clear()
 
 
-_WORKS = _counts_work()
 _pool = OutputPool()
 
 

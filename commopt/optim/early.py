@@ -50,7 +50,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from commopt.comm.channels import open_channel
 from commopt.comm.handoff import device_future
 from commopt.compressed import NonFiniteError
 from commopt.optim.early_kind import Kind
@@ -165,13 +164,7 @@ class EarlyWork:
         cancel: Callable[[BaseException], None] | None = None,
     ) -> None:
         """Queue the bucket's job at its position of the open round, on the thread's own
-        channel (opened when the optimizer was built, by every rank alike; at the first job if
-        not: :mod:`commopt.comm.channels`)."""
-        thread = self._thread
-        if thread.channel is None:
-            thread.channel, closer = open_channel(self._opt.backend)
-            if closer is not None:  # freed with the thread (the optimizer is dropped)
-                thread.on_close.append(closer)
+        channel (opened when the optimizer was built: ``BackwardWork._start_overlap``)."""
         st.ticket = self._schedule.submit(state, job, cancel)
 
     def drain(self, agree: bool = False) -> None:
@@ -183,13 +176,13 @@ class EarlyWork:
         would (:meth:`ExchangeSchedule.agree`)."""
         if not self._opt._overlap:
             return
-        if agree:  # on the current layout, even where no backward pass has set it up yet
-            self._follow_layout()
-        if agree and self._schedule.agree(self._opt.backend, self._fill):
-            self.mismatch = (
-                "the ranks' backward passes differ (a rank skipped backward or left a "
-                "parameter unused)"
-            )
+        if agree:
+            self._follow_layout()  # even where no backward pass has set it up yet
+            if self._schedule.agree(self._opt.backend, self._fill):
+                self.mismatch = (
+                    "the ranks' backward passes differ (a rank skipped backward or left a "
+                    "parameter unused)"
+                )
         self._schedule.drain()
 
     def _fill(self, b: int) -> None:

@@ -48,22 +48,24 @@ class EarlyReads:
     ) -> None:
         """The work of step ``step`` read ``g`` as ``p``'s gradient (β1 is taken at the first
         read of the step)."""
-        if self._step != step:
-            self.clear()
-            self._step = step
-            self._betas = tuple(group["betas"][0] for group in groups)
+        self._begin(step, groups)
         self._grads[id(p)] = (g, g._version)
 
     def expect(self, p: torch.Tensor, step: int, groups: Sequence[dict[str, Any]]) -> None:
         """The DDP hook folded ``p``'s gradient for step ``step``; its ``p.grad`` is recorded
         at the end of backward (:meth:`after_backward`)."""
+        self._begin(step, groups)
+        if not self._expected:
+            after_ddp_backward(self.after_backward)
+        self._expected.append(p)
+
+    def _begin(self, step: int, groups: Sequence[dict[str, Any]]) -> None:
+        """A read for step ``step``: the first of the step forgets the previous step's reads
+        and takes the groups' β1."""
         if self._step != step:
             self.clear()
             self._step = step
             self._betas = tuple(group["betas"][0] for group in groups)
-        if not self._expected:
-            after_ddp_backward(self.after_backward)
-        self._expected.append(p)
 
     def after_backward(self) -> None:
         """Record ``p.grad`` and its version for every parameter :meth:`expect` named."""
