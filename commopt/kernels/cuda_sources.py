@@ -15,7 +15,7 @@ __all__ = ["CUDA_HEADERS", "CUDA_SOURCES", "cuda_source", "cuda_source_dir"]
 #: The kernel sources, one per stage of SPEC §1.
 CUDA_SOURCES = ("worker.cu", "server.cu", "unpack.cu")
 #: Device helpers more than one source needs, pulled in with ``#include "name"``.
-CUDA_HEADERS = ("block_sum.cuh",)
+CUDA_HEADERS = ("block_sum.cuh", "vector4.cuh")
 
 _INCLUDE = re.compile(r'^#include "([^"]+)"[ \t]*$', re.MULTILINE)
 

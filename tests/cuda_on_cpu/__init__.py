@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from commopt.kernels.cuda_sources import cuda_source
+from commopt.kernels.cupy_runtime import THREADS
 
 __all__ = [
     "FLAGS",
@@ -55,6 +56,8 @@ HEADER = Path(__file__).with_name("cuda_on_cpu.h")
 #: -ffp-contract=off: never fuse a*b+c into one rounding (the __f*_rn intrinsics forbid it on
 #: the GPU too); -fno-fast-math keeps IEEE semantics (signed zeros, NaN compares, no reassoc).
 #: -Wall -Wextra -Werror: CI has no nvcc, so this is where a warning in cuda/ fails the build.
+#: -fsanitize=alignment: a float4 access at an address that is not 16-byte aligned aborts, as it
+#: faults on a GPU (the kernels must fall back to scalar accesses there).
 FLAGS = (
     "-std=c++17",
     "-O1",
@@ -63,6 +66,9 @@ FLAGS = (
     "-pthread",
     "-ffp-contract=off",
     "-fno-fast-math",
+    "-fno-strict-aliasing",
+    "-fsanitize=alignment",
+    "-fno-sanitize-recover=alignment",
     "-Wall",
     "-Wextra",
     "-Werror",
@@ -199,7 +205,9 @@ class CpuKernel:
 
     Arrays (numpy) are passed as their data pointers, numpy scalars by value; each is checked
     against the C parameter it lands in. Python ints and floats are refused: CuPy would pick a
-    width for them, and the wrappers must say which one they mean.
+    width for them, and the wrappers must say which one they mean. A pointer parameter also
+    takes an ``np.uint64`` (a raw address, as the CuPy runtime passes it; 0 is a null pointer),
+    unchecked but for its width.
     """
 
     def __init__(self, library: ctypes.CDLL, name: str) -> None:
@@ -224,6 +232,8 @@ class CpuKernel:
         size, kind = self.params[index]
         where = f"{self.name} argument {index}"
         if kind >= 10:
+            if isinstance(arg, np.uint64):
+                return ctypes.c_void_p(int(arg))
             if not isinstance(arg, np.ndarray):
                 raise TypeError(f"{where} is a pointer; got {type(arg).__name__}, not an array")
             if arg.dtype.itemsize != size or _KINDS.get(arg.dtype.kind) != kind - 10:
@@ -258,38 +268,38 @@ class CpuKernel:
             )
 
 
-class _CpuLaunch:
+class _CpuLauncher:
+    """The runtime's one launcher (one CPU "device", no streams): tensors become numpy arrays."""
+
     def __init__(self, runtime: CpuRuntime) -> None:
         self._runtime = runtime
+        self._partial = np.zeros(0)
+        self._done = np.zeros(1, dtype=np.uint32)
 
-    def __enter__(self) -> _CpuLaunch:
-        return self
+    def workspace(self, count: int) -> tuple[np.ndarray, np.ndarray]:
+        # Kept across calls, like the CUDA launcher's: a kernel that left the counter non-zero
+        # breaks the next call. NaN-filled when grown: a partial read before written shows.
+        if self._partial.size < count:
+            self._partial = np.full(count, np.nan)
+        return self._partial, self._done
 
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-    def kernel(self, source: str, name: str) -> Callable[..., None]:
+    def __call__(self, source: str, name: str, grid: tuple[int, ...], args: Sequence[Any]) -> None:
         function = self._runtime.module(source).get_function(name)
-
-        def launch(grid: Any, block: Any, args: Sequence[Any]) -> None:
-            self._runtime.launches.append(
-                (name, tuple(np.atleast_1d(grid)), tuple(np.atleast_1d(block)))
-            )
-            function(grid, block, args)
-
-        return launch
+        self._runtime.launches.append((name, tuple(grid), (THREADS,)))
+        arrays = [a if isinstance(a, np.generic | np.ndarray) else a.detach().numpy() for a in args]
+        function(grid, (THREADS,), arrays)
 
 
 class CpuRuntime:
     """The runtime :class:`~commopt.kernels.cupy_kernels.CupyKernels` launches on, for CPU tensors.
 
-    numpy is the array module (tensors arrive through DLPack, as with CuPy), and each source
-    is compiled by :func:`compile_source`. ``source`` maps a file name to its text (default
+    Tensors are handed to the kernels as numpy arrays (so every pointer argument is checked
+    against the kernel's C signature), and each source is compiled by :func:`compile_source`.
+    ``source`` maps a file name to its text (default
     :func:`commopt.kernels.cuda_sources.cuda_source`; the mutation tests pass broken text).
     """
 
     device_type = "cpu"
-    xp = np
 
     def __init__(
         self,
@@ -304,6 +314,7 @@ class CpuRuntime:
         self._source = source
         self._seed = seed
         self.launches: list[tuple[str, tuple, tuple]] = []  # (kernel, grid, block), in order
+        self._launcher = _CpuLauncher(self)
 
     def module(self, source: str) -> CpuModule:
         module = compile_source(
@@ -313,6 +324,6 @@ class CpuRuntime:
             module.seed(self._seed)
         return module
 
-    def launch(self, tensor: torch.Tensor) -> _CpuLaunch:
+    def launcher(self, tensor: torch.Tensor) -> _CpuLauncher:
         del tensor  # one CPU "device"; no stream to order against
-        return _CpuLaunch(self)
+        return self._launcher

@@ -153,6 +153,20 @@ def check_against_reference(kernels: Kernels, size: int, n: int, seed: int, spre
     assert_same_bits(backing[:size], y_ref, "unpack_scaled_ out")
     assert_same_bits(backing[size:], np.full(3, 7.0, dtype=F32), "unpack_scaled_ past L")
 
+    # Views at an odd offset (a gradient inside a flat buffer): no 16-byte vector access there
+    # (the CPU build aborts on one), the scalar path, and the same bits.
+    x_odd = torch.from_numpy(np.concatenate([np.zeros(1, dtype=F32), x]))[1:]
+    assert x_odd.data_ptr() % 16, "the view must be misaligned"
+    assert_same_bits(kernels.scale(x_odd, _t(e0)), s_pair, "scale s, x at an odd offset")
+    e_odd, b_odd = _t(e0), torch.full((padded // 8,), 0x5A, dtype=torch.uint8)
+    kernels.pack_compensated_(x_odd, s_pair.clone(), e_odd, b_odd)
+    assert_same_bits(b_odd, b_ref, "pack_compensated_ bits, x at an odd offset")
+    assert_same_bits(e_odd, e_ref, "pack_compensated_ e, x at an odd offset")
+    out_odd = torch.full((size + 4,), 7.0)
+    kernels.unpack_scaled_(_t(recv), _t(server_scales), out_odd[1 : size + 1])
+    assert_same_bits(out_odd[1 : size + 1], y_ref, "unpack_scaled_ out at an odd offset")
+    assert_same_bits(out_odd[size + 1 :], np.full(3, 7.0, dtype=F32), "unpack_scaled_ past L")
+
 
 def _partial_sum_ok(partial: np.ndarray, exact: float, what: str) -> None:
     got = float(partial.sum())
@@ -162,13 +176,19 @@ def _partial_sum_ok(partial: np.ndarray, exact: float, what: str) -> None:
 
 def check_grid_stride(runtime: CpuRuntime, grid: int, size: int, n: int, seed: int) -> None:
     """Each kernel launched directly with ``grid`` blocks, far fewer than the data needs, so
-    every grid-stride loop wraps (unpack's row loop too, with grid.y < n)."""
+    every grid-stride loop wraps (unpack's row loop too, with grid.y < n).
+
+    The worker kernels take 4 elements per thread, the server kernel 8 per thread (two
+    1024-element blocks per CUDA block), the unpack kernel one byte of a row per thread."""
     rng = np.random.default_rng(seed)
     padded = padded_size(size, n)
     chunk = padded // n
-    assert grid * THREADS < min(size, chunk), "the grid must be smaller than the data"
+    assert grid * THREADS * 4 < size, "the worker loops must wrap"
+    assert grid * THREADS < chunk // 8, "the unpack loop must wrap"
+    assert grid < -(-chunk // (2 * SERVER_BLOCK)), "the server loop must wrap"
     worker = runtime.module("worker.cu")
     i64, i32 = np.int64, np.int32
+    done = np.zeros(1, dtype=np.uint32)
     x = values(rng, size, 3)
     e0 = values(rng, padded, 3) * F32(0.01)
     c_ref = e0.copy()
@@ -176,23 +196,27 @@ def check_grid_stride(runtime: CpuRuntime, grid: int, size: int, n: int, seed: i
     exact_sq = float(np.dot(c_ref.astype(np.float64), c_ref.astype(np.float64)))
 
     c = np.full(padded, np.nan, dtype=F32)
-    partial = np.full(grid, np.nan)
+    partial, s_c = np.full(grid, np.nan), np.full(1, np.nan, dtype=F32)
     worker.get_function("commopt_compensate")(
-        (grid,), (THREADS,), (x, i64(size), e0.copy(), c, i64(padded), partial)
+        (grid,), (THREADS,), (x, i64(size), e0.copy(), c, i64(padded), partial, done, s_c)
     )
     assert_same_bits(c, c_ref, f"commopt_compensate c, grid {grid}")
     _partial_sum_ok(partial, exact_sq, f"commopt_compensate, grid {grid}")
+    assert_within_one_ulp(s_c[0], exact_rms(c_ref), f"commopt_compensate s, grid {grid}")
+    assert done[0] == 0, f"commopt_compensate left its counter at {done[0]}"
 
-    partial = np.full(grid, np.nan)
+    partial, s = np.full(grid, np.nan), np.full(1, np.nan, dtype=F32)
     worker.get_function("commopt_scale")(
-        (grid,), (THREADS,), (x, i64(size), e0.copy(), i64(padded), partial)
+        (grid,), (THREADS,), (x, i64(size), e0.copy(), i64(padded), partial, done, s)
     )
     _partial_sum_ok(partial, exact_sq, f"commopt_scale, grid {grid}")
-    s = np.zeros(1, dtype=F32)
+    assert_same_bits(s, s_c, f"commopt_scale s vs commopt_compensate s, grid {grid}")
+    assert done[0] == 0, f"commopt_scale left its counter at {done[0]}"
+    s_finish = np.zeros(1, dtype=F32)
     worker.get_function("commopt_finish_rms")(
-        (1,), (THREADS,), (partial, i32(grid), i64(padded), s)
+        (1,), (THREADS,), (partial, i64(grid), i64(padded), s_finish)
     )
-    assert_within_one_ulp(s[0], exact_rms(c_ref), f"commopt_finish_rms of {grid} partials")
+    assert_same_bits(s_finish, s, f"commopt_finish_rms of {grid} partials vs the last block")
 
     e_ref, b_ref = _t(e0), torch.empty(padded // 8, dtype=torch.uint8)
     REF.pack_worker_(_t(c_ref), _t(s), e_ref, b_ref)
@@ -213,12 +237,15 @@ def check_grid_stride(runtime: CpuRuntime, grid: int, size: int, n: int, seed: i
     scales = (rng.random(n) * 2).astype(F32)
     f0 = values(rng, chunk, 2) * F32(0.01)
     f, partial = f0.copy(), np.full(-(-chunk // SERVER_BLOCK), np.nan)
+    t = np.full(1, np.nan, dtype=F32)
     runtime.module("server.cu").get_function("commopt_server_average")(
-        (grid,), (THREADS,), (recv, scales, i32(n), i64(0), i64(chunk), f, partial)
+        (grid,), (THREADS,), (recv, scales, i32(n), i64(0), i64(chunk), f, partial, done, t)
     )
     c_s = server_model(recv, scales, f0)
     assert_same_bits(f, c_s, f"commopt_server_average c_s, grid {grid}")
     _partial_sum_ok(partial, float(np.dot(c_s.astype(np.float64), c_s)), "server partials")
+    assert_within_one_ulp(t[0], exact_rms(c_s), f"commopt_server_average t, grid {grid}")
+    assert done[0] == 0, f"commopt_server_average left its counter at {done[0]}"
 
     rows = max(1, n // 2)  # grid.y < n: the row loop wraps too
     out = np.full(size + 3, 7.0, dtype=F32)
@@ -238,7 +265,7 @@ def check_finish_rms(runtime: CpuRuntime, count: int) -> None:
     n = 8 * count + 5
     out = np.zeros(1, dtype=np.float32)
     kernel = runtime.module("worker.cu").get_function("commopt_finish_rms")
-    kernel((1,), (THREADS,), (partial, np.int32(count), np.int64(n), out))
+    kernel((1,), (THREADS,), (partial, np.int64(count), np.int64(n), out))
     assert_within_one_ulp(out[0], float(np.sqrt(partial.sum()) / np.sqrt(n)), "finish_rms")
 
 
@@ -300,22 +327,26 @@ def check_server_grid_stride(
     the one a launch with one block per element block writes (the wrapper's grid)."""
     rng = np.random.default_rng(seed)
     blocks = -(-chunk // SERVER_BLOCK)
-    assert grid < blocks, "the grid must be smaller than the chunk's element blocks"
+    assert grid < -(-blocks // 2), "the grid must be smaller than the chunk's element blocks / 2"
     assert 0 < split < chunk and split % SERVER_BLOCK == 0
     kernel = runtime.module("server.cu").get_function("commopt_server_average")
     i64, i32 = np.int64, np.int32
+    null = (np.uint64(0), np.uint64(0))  # no done counter, no t: partial sums only
     recv, scales, f0 = _server_case(rng, chunk, n, 3)
     c_s = server_model(recv, scales, f0)
 
     f_ref, partial_ref = f0.copy(), np.full(blocks, np.nan)
-    kernel((blocks,), (THREADS,), (recv, scales, i32(n), i64(0), i64(chunk), f_ref, partial_ref))
+    one_each = (-(-blocks // 2),)  # one CUDA block per two element blocks, as the wrapper
+    kernel(
+        one_each, (THREADS,), (recv, scales, i32(n), i64(0), i64(chunk), f_ref, partial_ref, *null)
+    )
     assert_same_bits(f_ref, c_s, "commopt_server_average c_s, one block per element block")
     for k in range(blocks):
         part = c_s[k * SERVER_BLOCK : (k + 1) * SERVER_BLOCK].astype(np.float64)
         _partial_sum_ok(partial_ref[k : k + 1], float(np.dot(part, part)), f"server partial {k}")
 
     f, partial = f0.copy(), np.full(blocks, np.nan)
-    kernel((grid,), (THREADS,), (recv, scales, i32(n), i64(0), i64(chunk), f, partial))
+    kernel((grid,), (THREADS,), (recv, scales, i32(n), i64(0), i64(chunk), f, partial, *null))
     assert_same_bits(f, c_s, f"commopt_server_average c_s, grid {grid}")
     assert_same_bits(
         partial.view(np.uint64), partial_ref.view(np.uint64), f"server partials, grid {grid}"
@@ -324,7 +355,9 @@ def check_server_grid_stride(
     f, partial = f0.copy(), np.full(blocks, np.nan)
     for lo, hi in ((split, chunk), (0, split)):
         rows = np.ascontiguousarray(recv[:, lo // 8 : hi // 8])
-        kernel((grid,), (THREADS,), (rows, scales, i32(n), i64(lo), i64(hi - lo), f, partial))
+        kernel(
+            (grid,), (THREADS,), (rows, scales, i32(n), i64(lo), i64(hi - lo), f, partial, *null)
+        )
     assert_same_bits(f, c_s, f"commopt_server_average c_s in two ranges, grid {grid}")
     assert_same_bits(
         partial.view(np.uint64),

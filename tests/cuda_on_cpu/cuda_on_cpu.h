@@ -7,8 +7,10 @@
 //
 //   threadIdx, blockIdx     thread_local per OS thread; blockDim, gridDim: set per launch.
 //   a launch <<<grid,block>>> blockDim.x·y·z OS threads (std::thread), started per launch. They
-//                           run the blocks one after another, in blockIdx order (x fastest),
-//                           and meet at a barrier after each block. Launches are serialised.
+//                           run the blocks one after another, in blockIdx order (x fastest;
+//                           with jitter, in a random order, so the last block to finish is not
+//                           always the highest one), and meet at a barrier after each block.
+//                           Launches are serialised.
 //   __global__              nothing (the entries are already extern "C" void functions).
 //   __device__              static inline.
 //   __shared__              static: one copy, reused by every block in turn (blocks never run
@@ -21,6 +23,11 @@
 //                           (values double-buffered by barrier generation).
 //   __ballot_sync(m,p)      the same barrier; bit l of the result is lane l's p.
 //   __brev(x)               32-bit bit reversal.
+//   float4, make_float4     a 16-byte-aligned struct of four floats; a vector access through a
+//                           float4* that is not 16-byte aligned aborts (the loader builds with
+//                           -fsanitize=alignment), as it faults on a GPU.
+//   atomicAdd(unsigned*, v) __atomic_fetch_add (sequentially consistent).
+//   __threadfence()         a sequentially consistent fence.
 //   __fadd_rn, __fsub_rn,   plain float +, -, *, /: IEEE-754 binary32, round to nearest even
 //   __fmul_rn, __fdiv_rn    on x86-64 SSE; the loader passes -ffp-contract=off, so g++ never
 //                           fuses a multiply and an add (the CUDA intrinsics forbid that too).
@@ -46,7 +53,9 @@
 // that is correct only because threads happened to run in order (a missing __syncthreads)
 // then gives wrong results.
 //
-// Not modelled: warp-synchronous code without *_sync intrinsics, atomics, dynamic shared
+// Not modelled: warp-synchronous code without *_sync intrinsics, atomics other than
+// atomicAdd on unsigned int, memory ordering weaker than x86's (a missing __threadfence goes
+// unnoticed), dynamic shared
 // memory, cooperative groups, textures, streams (a launch runs to completion before returning).
 #pragma once
 
@@ -99,7 +108,7 @@ inline cuda_on_cpu::uint3 blockDim, gridDim;
 #define __global__
 #define __device__ static inline
 #define __shared__ static
-#define __forceinline__ inline
+#define __forceinline__  // __device__ already makes it inline
 
 using std::sqrt;
 
@@ -173,6 +182,7 @@ struct Launch {
     Group block;
     std::vector<Group> warps;
     Group end;  // after each block: everyone, nobody leaves
+    std::vector<unsigned long long> order;  // the blocks' linear indices, in the order run
     std::mutex error_m;
     std::string error;
 
@@ -321,7 +331,8 @@ void run_thread(Launch& L, unsigned tid, const Body& body) {
 #endif
     const unsigned long long blocks =
         (unsigned long long)gridDim.x * gridDim.y * gridDim.z;
-    for (unsigned long long b = 0; b < blocks; ++b) {
+    for (unsigned long long k = 0; k < blocks; ++k) {
+        const unsigned long long b = L.order.empty() ? k : L.order[k];
         blockIdx = {unsigned(b % gridDim.x), unsigned(b / gridDim.x % gridDim.y),
                     unsigned(b / ((unsigned long long)gridDim.x * gridDim.y))};
         jitter();
@@ -450,6 +461,17 @@ int run(const unsigned* grid, const unsigned* block, const Body& body, char* err
     }
     blockDim = {block[0], block[1], block[2]};
     gridDim = {grid[0], grid[1], grid[2]};
+#if CUDA_ON_CPU_JITTER
+    {
+        const unsigned long long blocks = (unsigned long long)grid[0] * grid[1] * grid[2];
+        if (blocks <= (1ull << 24)) {
+            L.order.resize(blocks);
+            std::iota(L.order.begin(), L.order.end(), 0ull);
+            std::minstd_rand rng(jitter_seed * 31u + 17u);
+            std::shuffle(L.order.begin(), L.order.end(), rng);
+        }
+    }
+#endif
     current = &L;
 #if CUDA_ON_CPU_FIBERS
     run_fibers(L, body);
@@ -524,6 +546,14 @@ static inline unsigned int __brev(unsigned int x) {
     for (int i = 0; i < 32; ++i) r |= ((x >> i) & 1u) << (31 - i);
     return r;
 }
+struct alignas(16) float4 {
+    float x, y, z, w;
+};
+static inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
+static inline unsigned int atomicAdd(unsigned int* address, unsigned int value) {
+    return __atomic_fetch_add(address, value, __ATOMIC_SEQ_CST);
+}
+static inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 static inline float __fadd_rn(float a, float b) { return a + b; }
 static inline float __fsub_rn(float a, float b) { return a - b; }
 static inline float __fmul_rn(float a, float b) { return a * b; }

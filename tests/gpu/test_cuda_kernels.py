@@ -212,3 +212,42 @@ def test_kernels_run_on_torchs_current_stream():
     expect = np.packbits((x * 3).cpu().numpy() >= 0)
     np.testing.assert_array_equal(bits.cpu().numpy(), expect)
     assert within_one_ulp(s.item(), exact_rms((x * 3).cpu().numpy()))
+
+
+def test_no_kernel_call_synchronises_the_host():
+    """Every CupyKernels call under torch's sync debug mode "error": a host synchronisation
+    (a .item(), a blocking copy, a stream sync) anywhere in a call raises. Views at odd offsets
+    included (the scalar path)."""
+    rng = np.random.default_rng(5)
+    n, size = 4, 100_003
+    padded = padded_size(size, n)
+    chunk = padded // n
+    x = torch.from_numpy(values(rng, size + 1)).to(DEV)[1:]  # misaligned view
+    e = torch.zeros(padded, device=DEV)
+    c = torch.empty(padded, device=DEV)
+    bits = torch.empty(padded // 8, dtype=torch.uint8, device=DEV)
+    recv = torch.randint(0, 256, (n, chunk // 8), dtype=torch.uint8, device=DEV)
+    scales = torch.rand(n, device=DEV) + 0.5
+    f = torch.zeros(chunk, device=DEV)
+    server_bits = torch.empty(chunk // 8, dtype=torch.uint8, device=DEV)
+    out = torch.empty(size, device=DEV)
+    GPU.scale(x, e)  # compile and allocate the workspace outside the checked region
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        first = GPU.scale(x, e)  # e is still 0: s = ‖pad(x)‖/√N
+        for _ in range(3):  # the workspace's counter is back at 0 after every call
+            s = GPU.scale(x, e)
+            GPU.compensate(x, e, c)
+            GPU.pack_worker_(c, s, e, bits)
+            GPU.pack_compensated_(x, s, e, bits)
+            t = GPU.server_reduce_(recv, scales, f, server_bits)
+            stages = GPU.server_stages(f)
+            stages.average_(recv, scales, 0)
+            stages.pack_(stages.scale(), 0, server_bits)
+            GPU.unpack_scaled_(recv, scales, out)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    padded_x = np.concatenate([x.cpu().numpy(), np.zeros(padded - size, dtype=F32)])
+    assert within_one_ulp(first.item(), exact_rms(padded_x))
+    assert torch.isfinite(t).all() and torch.isfinite(s).all()

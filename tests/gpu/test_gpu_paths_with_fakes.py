@@ -6,8 +6,8 @@ with ``device="cuda"``, and for CupyRuntime a ``cupy`` module whose ``RawModule`
 tests/cuda_on_cpu. The code under test is the real one: MpiBackend's host staging and its
 stream synchronisation before MPI reads device memory (``cuda_aware=True``), MixedBackend's
 drain when it switches away from a child that touched CUDA tensors, and CupyKernels on its
-default runtime (device context, torch's current stream as an ``ExternalStream``, the per-device
-module cache, the DLPack hand-off).
+default runtime (torch's current stream handed to every launch, the device context entered only
+when torch's current device is another, the per-device module cache, raw device pointers).
 
 Optimizer state on a CUDA device needs real CUDA tensors (torch's CPU build cannot allocate
 them, and a fake deep enough to run a whole optimizer would be testing itself):
@@ -27,6 +27,7 @@ import torch
 
 import commopt.comm.mpi_backend as mpi_backend
 import commopt.kernels.cupy_kernels as cupy_kernels
+import commopt.kernels.cupy_runtime as cupy_runtime
 from commopt.comm import CommStats, MixedBackend
 from commopt.comm.mpi_backend import MpiBackend
 
@@ -261,7 +262,7 @@ def fake_cupy(monkeypatch, log):
         pytest.skip("g++ is not installed (scripts/test.sh installs it)")
     from tests.cuda_on_cpu import compile_source
 
-    state: dict[str, Any] = {"device": None, "stream": None, "compiled": []}
+    state: dict[str, Any] = {"device": None, "current": 0, "compiled": []}
 
     class Device:
         def __init__(self, index: int) -> None:
@@ -276,14 +277,7 @@ def fake_cupy(monkeypatch, log):
 
     class ExternalStream:
         def __init__(self, handle: int, device_id: int) -> None:
-            self.handle, self.device_id = handle, device_id
-
-        def __enter__(self) -> ExternalStream:
-            self.saved, state["stream"] = state["stream"], (self.handle, self.device_id)
-            return self
-
-        def __exit__(self, *exc: object) -> None:
-            state["stream"] = self.saved
+            self.ptr, self.device_id = handle, device_id
 
     class RawModule:
         def __init__(self, code: str) -> None:
@@ -296,20 +290,24 @@ def fake_cupy(monkeypatch, log):
         def get_function(self, name: str):
             function = self.module.get_function(name)
 
-            def launch(grid: tuple, block: tuple, args: tuple) -> None:
-                log.append(f"{name} device={state['device']} stream={state['stream']}")
+            def launch(grid: tuple, block: tuple, args: tuple, shared_mem: int, stream) -> None:
+                # CuPy's Function: raw pointers as np.uint64, the stream as an object with .ptr
+                assert all(isinstance(a, np.generic) for a in args), args
+                device = state["device"] if state["device"] is not None else state["current"]
+                log.append(f"{name} device={device} stream={stream.ptr:#x}")
                 function(grid, block, args)
 
-            return launch
+            return types.SimpleNamespace(kernel=launch)
 
     cupy = types.ModuleType("cupy")
     cupy.cuda = types.SimpleNamespace(Device=Device, ExternalStream=ExternalStream)
     cupy.RawModule = RawModule
-    cupy.from_dlpack = lambda t: np.from_dlpack(t.inner)  # the DLPack hand-off, on the host
     monkeypatch.setitem(sys.modules, "cupy", cupy)
-    cupy_kernels._module.cache_clear()
+    monkeypatch.delattr(torch._C, "_cuda_getCurrentRawStream", raising=False)  # the faked stream
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: state["current"])
+    cupy_runtime._module.cache_clear()
     yield state
-    cupy_kernels._module.cache_clear()
+    cupy_runtime._module.cache_clear()
 
 
 class OnFakeGpu:
@@ -333,16 +331,28 @@ def test_cupy_runtime_launches_on_torchs_stream_and_matches_the_reference(fake_c
     from tests.cuda_on_cpu.checks import check_against_reference
 
     kernels = cupy_kernels.CupyKernels()  # the default runtime: CupyRuntime, on the fake cupy
-    assert isinstance(kernels._runtime, cupy_kernels.CupyRuntime)
+    assert isinstance(kernels.runtime, cupy_runtime.CupyRuntime)
     check_against_reference(OnFakeGpu(kernels, log), 5000, 3, seed=7, spread=6)
     launches = [entry for entry in log if entry.startswith("commopt_")]
-    assert (
-        len(launches) == 10
-    )  # compensate 2, pack_worker_ 1, scale 2, pack_compensated_ 1, server 3, unpack 1
-    # Every launch inside the tensor's device and on torch's current stream of that device.
-    assert all(entry.endswith("device=0 stream=(20480, 0)") for entry in launches), launches
+    # compensate, pack_worker_, scale, pack_compensated_, server 2, unpack; then the odd-offset
+    # views: scale, pack_compensated_, unpack. One launch per norm: no finishing kernel.
+    assert len(launches) == 10, launches
+    # Every launch on the tensor's device and on torch's current stream of that device.
+    assert all(entry.endswith("device=0 stream=0x5000") for entry in launches), launches
     # One compile per source per device, each inside that device's context.
     assert fake_cupy["compiled"] == [0, 0, 0]
+
+
+def test_cupy_runtime_enters_the_tensors_device_when_another_is_current(fake_cupy, log):
+    """torch's current device is 1, the tensors are on cuda:0: the launch goes to device 0 and
+    the stream current there (the launcher is per device and stream)."""
+    from tests.cuda_on_cpu.checks import check_against_reference
+
+    fake_cupy["current"] = 1
+    kernels = cupy_kernels.CupyKernels()
+    check_against_reference(OnFakeGpu(kernels, log), 3000, 2, seed=3, spread=3)
+    launches = [entry for entry in log if entry.startswith("commopt_")]
+    assert launches and all(entry.endswith("device=0 stream=0x5000") for entry in launches)
 
 
 def test_cupy_runtime_runs_the_staged_server_step_on_torchs_stream(fake_cupy, log):
@@ -381,7 +391,7 @@ def test_cupy_runtime_runs_the_staged_server_step_on_torchs_stream(fake_cupy, lo
         "commopt_pack_update",
         "commopt_pack_update",
     ]
-    assert all(entry.endswith("device=0 stream=(20480, 0)") for entry in launches), launches
+    assert all(entry.endswith("device=0 stream=0x5000") for entry in launches), launches
     assert torch.equal(t_staged.inner.view(torch.int32), t_whole.view(torch.int32))
     assert torch.equal(f_staged.view(torch.int32), f_whole.view(torch.int32))
     assert torch.equal(bits_staged, bits_whole)

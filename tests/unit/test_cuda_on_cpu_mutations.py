@@ -55,27 +55,33 @@ def mutate(files: tuple[str, ...], old: str, new: str, index: int) -> Callable[[
 
 
 def wrappers(runtime: CpuRuntime) -> None:
-    """The wrapper-level check: 20 000 elements on 3 ranks, so 79 blocks and mixed signs."""
+    """The wrapper-level check: 20 000 elements on 3 ranks, so 20 blocks and mixed signs."""
     check_against_reference(CupyKernels(runtime=runtime), 20_000, 3, 5, 3)
 
 
 BIT_ORDER = {
-    # LSB-first packing in the warp-ballot pack of pack_worker_ / the server's re-pack ...
-    "pack_update ballot not reversed": (
+    # LSB-first packing of a thread's 4 signs (pack_worker_, pack_compensated_, the server's
+    # re-pack all use commopt_signs4) ...
+    "nibble packed LSB first": (
         ("worker.cu",),
-        "(__brev(ballot) >> (24 - lane))",
-        "(ballot >> lane)",
+        "(px ? 8u : 0u) | (py ? 4u : 0u) | (pz ? 2u : 0u) | (pw ? 1u : 0u)",
+        "(px ? 1u : 0u) | (py ? 2u : 0u) | (pz ? 4u : 0u) | (pw ? 8u : 0u)",
         0,
     ),
-    # ... and in pack_compensated_, which compressed_allreduce uses.
-    "pack_compensated ballot not reversed": (
-        ("worker.cu",),
-        "(__brev(ballot) >> (24 - lane))",
-        "(ballot >> lane)",
-        1,
+    # ... and the two nibbles of a byte in the wrong order.
+    "byte's nibbles swapped": (("worker.cu",), "(nibble << 4) | next", "(next << 4) | nibble", 0),
+    "server reads bits LSB first": (
+        ("server.cu",),
+        "(bits >> (7 - k)) & 1u",
+        "(bits >> k) & 1u",
+        0,
     ),
-    "server reads bits LSB first": (("server.cu",), "7 - (int)(j & 7)", "(int)(j & 7)", 0),
-    "unpack reads bits LSB first": (("unpack.cu",), "(7 - (int)(q & 7))", "((int)(q & 7))", 0),
+    "unpack reads bits LSB first": (
+        ("unpack.cu",),
+        "(byte >> (7 - j)) & 1u",
+        "(byte >> j) & 1u",
+        0,
+    ),
 }
 
 
@@ -115,17 +121,17 @@ def test_an_off_by_one_grid_stride_fails_the_grid_stride_check(file, index):
     runtime = CpuRuntime(fibers=True, source=mutate((file,), STRIDE, STRIDE[:-1] + " + 1;", index))
     wrappers(runtime)  # the wrappers' grids cover the data in one pass: no loop wraps ...
     with pytest.raises(DETECTED):  # ... so only a grid smaller than the data notices
-        check_grid_stride(runtime, 3, 20_000, 5, seed=1)
+        check_grid_stride(runtime, 3, 40_000, 2, seed=1)
 
 
 def test_an_off_by_one_server_block_stride_fails_the_server_grid_stride_check():
-    """The server kernel's loop over 1024-element blocks (one CUDA block each, grid-strided)."""
-    source = mutate(("server.cu",), "b += gridDim.x)", "b += gridDim.x + 1)", 0)
+    """The server kernel's loop over pairs of 1024-element blocks (one CUDA block each)."""
+    source = mutate(("server.cu",), "p += gridDim.x)", "p += gridDim.x + 1)", 0)
     runtime = CpuRuntime(fibers=True, source=source)
     wrappers(runtime)  # one CUDA block per element block: the block loop never wraps ...
     check_server_stages(CupyKernels(runtime=runtime), 3 * B + 8, 3, 1, [(0, B), (B, 3 * B + 8)])
     with pytest.raises(DETECTED, match=r"commopt_server_average"):  # ... unless the grid is small
-        check_server_grid_stride(runtime, 1, 3 * B + 8, 2, seed=1, split=B)
+        check_server_grid_stride(runtime, 1, 5 * B + 8, 2, seed=1, split=2 * B)
 
 
 # The staged server step: a range's offset dropped, in f or in the partial sums. Averaging the
@@ -145,7 +151,7 @@ def test_a_dropped_range_offset_fails_the_staged_check(mutation):
     kernels = CupyKernels(
         runtime=CpuRuntime(fibers=True, source=mutate(("server.cu",), old, new, 0))
     )
-    wrappers(kernels._runtime)  # server_reduce_ averages from offset 0: unaffected ...
+    wrappers(kernels.runtime)  # server_reduce_ averages from offset 0: unaffected ...
     with pytest.raises(AssertionError, match=r"staged"):  # ... the staged step is not
         check_server_stages(kernels, 3 * B + 8, 3, 1, [(2 * B, 3 * B + 8), (0, B), (B, 2 * B)])
 
@@ -156,7 +162,7 @@ def test_an_off_by_one_row_stride_fails_the_grid_stride_check():
     )
     wrappers(runtime)  # the wrapper launches one y-block per row: the row loop never wraps
     with pytest.raises(DETECTED, match=r"commopt_unpack_scaled"):
-        check_grid_stride(runtime, 3, 20_000, 5, seed=1)
+        check_grid_stride(runtime, 3, 40_000, 2, seed=1)
 
 
 def test_an_off_by_one_stride_in_finish_rms_fails_its_check():
@@ -165,3 +171,61 @@ def test_an_off_by_one_stride_in_finish_rms_fails_its_check():
     check_finish_rms(runtime, 200)  # one pass: the stride is never taken
     with pytest.raises(AssertionError, match=r"finish_rms"):
         check_finish_rms(runtime, 1000)
+
+
+# The norm finished by the last block (issue #23): which block is last, and the counter the next
+# launch on the same workspace relies on.
+def test_a_last_block_chosen_by_index_fails_under_a_random_block_order():
+    """Taking the highest blockIdx as the last one to finish is right only when blocks finish
+    in order; the jittered build runs them in a random order."""
+    source = mutate(
+        ("worker.cu", "server.cu"),
+        "last = atomicAdd(done, 1u) == gridDim.x - 1;",
+        "last = (atomicAdd(done, 1u), blockIdx.x == gridDim.x - 1);",
+        0,
+    )
+    wrappers(CpuRuntime(fibers=True, source=source))  # blocks in order: unnoticed ...
+    with pytest.raises(DETECTED, match=r"compensate s|scale s|server_reduce_ t"):
+        wrappers(CpuRuntime(fibers=True, jitter=True, seed=2, source=source))
+
+
+def test_a_counter_left_set_fails_the_next_call():
+    source = mutate(("worker.cu", "server.cu"), "*done = 0u;", "", 0)
+    with pytest.raises(DETECTED, match=r"s |t "):
+        wrappers(CpuRuntime(fibers=True, source=source))
+
+
+MISALIGNED = """
+import numpy as np, torch
+from commopt.kernels.cuda_sources import cuda_source
+from commopt.kernels.cupy_kernels import CupyKernels
+from tests.cuda_on_cpu import CpuRuntime
+
+def source(name):
+    return cuda_source(name).replace(
+        "return (reinterpret_cast<unsigned long long>(p) & 15ull) == 0ull;", "return p != nullptr;"
+    )
+
+kernels = CupyKernels(runtime=CpuRuntime(fibers=True, source=source))
+x = torch.zeros(4097)[1:]
+kernels.scale(x, torch.zeros(4096))
+print("no fault")
+"""
+
+
+def test_a_vector_access_at_a_misaligned_address_aborts():
+    """A kernel that used 16-byte accesses on a view at an odd offset would fault on a GPU;
+    the CPU build aborts (-fsanitize=alignment), in a child process here."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    proc = subprocess.run(
+        [sys.executable, "-c", MISALIGNED],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    assert proc.returncode != 0 and "no fault" not in proc.stdout, proc.stdout
+    assert "misaligned address" in proc.stderr, proc.stderr[-2000:]

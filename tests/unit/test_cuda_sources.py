@@ -46,19 +46,21 @@ def test_every_source_is_known_and_found():
 
 
 def test_headers_are_pasted_in_place_of_their_include_line():
-    block_sum = (REPO / "cuda" / "block_sum.cuh").read_text()
+    headers = {h: (REPO / "cuda" / h).read_text() for h in CUDA_HEADERS}
     for name in CUDA_SOURCES:
         raw = (REPO / "cuda" / name).read_text()
         text = cuda_source(name)
         assert not re.search(r"^\s*#\s*include", text, re.MULTILINE), name  # no include path
-        if '#include "block_sum.cuh"' in raw:
-            assert text == raw.replace('#include "block_sum.cuh"', block_sum, 1)
-            assert text.count("__device__ double commopt_block_sum(") == 1
-        else:
-            assert text == raw
-    # both reducing sources share the one helper instead of each defining its own
-    assert '#include "block_sum.cuh"' in (REPO / "cuda" / "worker.cu").read_text()
-    assert '#include "block_sum.cuh"' in (REPO / "cuda" / "server.cu").read_text()
+        expect = raw
+        for header, body in headers.items():
+            expect = expect.replace(f'#include "{header}"', body, 1)
+        assert text == expect, name
+    # the reducing sources share the one reduction helper instead of each defining its own, and
+    # every source the one vector-access helper
+    for name in ("worker.cu", "server.cu"):
+        assert cuda_source(name).count("__device__ double commopt_block_sum(") == 1
+    for name in CUDA_SOURCES:
+        assert cuda_source(name).count("__device__ __forceinline__ float4 commopt_load4(") == 1
 
 
 def test_an_unknown_include_is_rejected(tmp_path, monkeypatch):
