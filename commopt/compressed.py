@@ -64,12 +64,18 @@ def overflow_safe(scale: torch.Tensor, server_error: torch.Tensor | None, fan_in
     """Whether one server's average of ``fan_in`` scales ≤ ``scale``, plus ``server_error``, and
     the update of that error stay finite in fp32: s ≤ 2^127/fan_in and max|f| ≤ 2^127 (NaN
     fails). Then |a + f| ≤ 2^128 and |f'| = ||c_s| − t| ≤ max|c_s|."""
-    if not bool(scale[0] <= _SAFE_LIMIT / fan_in):
-        return False
-    if server_error is None or server_error.numel() == 0:
-        return True
-    low, high = torch.aminmax(server_error)  # one pass; |·|'s max would be two
-    return bool(low >= -_SAFE_LIMIT) and bool(high <= _SAFE_LIMIT)
+    return bool(_overflow_flag(scale, server_error, fan_in))
+
+
+def _overflow_flag(
+    scale: torch.Tensor, server_error: torch.Tensor | None, fan_in: int
+) -> torch.Tensor:
+    """:func:`overflow_safe` as a 0-dim bool tensor on the scale's device (no host read)."""
+    ok = scale[0] <= _SAFE_LIMIT / fan_in
+    if server_error is not None and server_error.numel():
+        low, high = torch.aminmax(server_error)  # one pass; |·|'s max would be two
+        ok = ok & (low >= -_SAFE_LIMIT) & (high <= _SAFE_LIMIT)
+    return ok
 
 
 def padded_size(numel: int, world_size: int) -> int:
@@ -233,13 +239,13 @@ def _agree(
     (:func:`overflow_safe`; ``server_error=None``: nothing will be compressed, only s counts).
     Returns the n worker scales."""
     n = be.world_size
-    safe = overflow_safe(s, server_error, n) if server_error is not None else True
-    meta = torch.tensor(
-        [0.0, numel & ((1 << _LOW_BITS) - 1), numel >> _LOW_BITS, float(safe)],
-        dtype=torch.float32,
-        device=s.device,
-    )
+    # Built on the device (fills and one device copy): the all-gathered table below is the one
+    # read the host makes per call.
+    meta = torch.empty(4, dtype=torch.float32, device=s.device)
     meta[0] = s[0]
+    meta[1] = float(numel & ((1 << _LOW_BITS) - 1))
+    meta[2] = float(numel >> _LOW_BITS)
+    meta[3] = _overflow_flag(s, server_error, n) if server_error is not None else 1.0
     all_meta = torch.empty(4 * n, dtype=torch.float32, device=s.device)
     be.all_gather(all_meta, meta)
     all_meta = all_meta.view(n, 4)
