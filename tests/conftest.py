@@ -1,3 +1,4 @@
+# ruff: noqa: E402  (torch is imported after its CPU kernels are capped, below)
 """Session-wide warm-up, done once in the pytest process before any rank is forked.
 
 The multi-rank tests fork gloo ranks from this process (``tests/multirank/harness.py``), and a
@@ -10,6 +11,18 @@ would otherwise be paid again in every rank of every test, seconds each on a loa
 """
 
 from __future__ import annotations
+
+import os
+
+# torch's CPU kernels capped at AVX2 before torch loads them, as experiments/demo/train_bytelm.py
+# does: the demo-table test re-trains 1-bit rows whose figures depend on an ulp, and ATen, MKL
+# and oneDNN round differently with AVX-512 (see there).
+for _name, _value in (
+    ("ATEN_CPU_CAPABILITY", "avx2"),
+    ("MKL_ENABLE_INSTRUCTIONS", "AVX2"),
+    ("ONEDNN_MAX_CPU_ISA", "AVX2"),
+):
+    os.environ.setdefault(_name, _value)
 
 import torch
 import torch._dynamo  # imported for its side effect (see the module docstring)

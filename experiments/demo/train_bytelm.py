@@ -1,3 +1,4 @@
+# ruff: noqa: E402  (torch is imported after its CPU kernels are capped, below)
 r"""Data-parallel byte-level language model: Adam, 1-bit Adam, 0/1 Adam, LAMB and 1-bit LAMB.
 
 Run it under a launcher, one process per rank (``scripts/demo.sh`` does this)::
@@ -37,6 +38,19 @@ import time
 import warnings
 import zlib
 from collections.abc import Callable, Iterable
+
+# The figures the demo writes are a pure function of the code, the settings *and* torch's CPU
+# kernels: ATen, MKL and oneDNN choose AVX2 or AVX-512 code by CPU, which round differently by
+# an ulp, and the 1-bit rows amplify an ulp into another trajectory (an AVX-512 machine moved
+# OnebitAdam's validation loss from 2.1124 to 2.1137). Capping all three at AVX2, before torch
+# loads them, makes the table reproduce on any x86-64 CPU with AVX2; set these variables
+# yourself to choose otherwise. tests/conftest.py sets the same ones for the test suite.
+for _name, _value in (
+    ("ATEN_CPU_CAPABILITY", "avx2"),
+    ("MKL_ENABLE_INSTRUCTIONS", "AVX2"),
+    ("ONEDNN_MAX_CPU_ISA", "AVX2"),
+):
+    os.environ.setdefault(_name, _value)
 
 import torch
 import torch.distributed as dist
