@@ -113,14 +113,16 @@ class OnebitHookState:
             :class:`~commopt.OnebitLamb`, :class:`~commopt.ZeroOneAdam`) over the DDP model's
             parameters.
         exchange_in_backward: in the compression stage (and 0/1 Adam's 1-bit steps), fold the
-            local gradient and run the 1-bit exchange during backward, overlapped with it
-            (default). ``False``: leave the local gradients to ``step()``, which compresses them
-            as the standalone optimizer does; the warmup's averages still run in backward. The
-            in-backward exchange stages the error buffers and the momentum (three extra memory
-            passes per step), which only pays when backward is long next to the exchange; on
-            CPU-bound hosts ``False`` with DDP's ``gradient_as_bucket_view=True`` came within
-            1.04× of the standalone optimizer, against 1.25× (docs/performance.md, "The DDP
-            hook against the standalone optimizer"). The results are the same bits either way.
+            local gradient and run the 1-bit exchange during backward, overlapped with it.
+            ``False``: leave the local gradients to ``step()``, which compresses them as the
+            standalone optimizer does; the warmup's averages still run in backward. ``None``
+            (default): ``True`` where the optimizer's parameters are on a CUDA device, ``False``
+            elsewhere. The in-backward exchange stages the error buffers and the momentum
+            (three extra memory passes per step), which only pays when backward is long next
+            to the exchange, as it can be on GPU nodes (not measured yet); on CPU-bound hosts
+            ``False`` with DDP's ``gradient_as_bucket_view=True`` came within 1.04× of the
+            standalone optimizer, against 1.25× (docs/performance.md, "The DDP hook against
+            the standalone optimizer"). The results are the same bits either way.
 
     Raises:
         TypeError: ``optimizer`` is not a commopt optimizer.
@@ -128,7 +130,9 @@ class OnebitHookState:
 
     __slots__ = ("exchange_in_backward", "optimizer")
 
-    def __init__(self, optimizer: CompressedOptimizer, exchange_in_backward: bool = True) -> None:
+    def __init__(
+        self, optimizer: CompressedOptimizer, exchange_in_backward: bool | None = None
+    ) -> None:
         if not isinstance(optimizer, CompressedOptimizer):
             raise TypeError(
                 f"OnebitHookState needs a commopt optimizer (OnebitAdam, OnebitLamb, "
@@ -145,11 +149,16 @@ class OnebitHookState:
         # error buffers and the work staged for the next step. Keeping them there (not here,
         # per DDP bucket) is what makes the hook's results the standalone optimizer's.
         self.optimizer: CompressedOptimizer | None = optimizer
+        if exchange_in_backward is None:
+            exchange_in_backward = any(
+                p.is_cuda for group in optimizer.param_groups for p in group["params"]
+            )
         if not isinstance(exchange_in_backward, bool):
             raise TypeError(
-                f"exchange_in_backward must be True or False, got {exchange_in_backward!r}"
+                f"exchange_in_backward must be True, False or None, got {exchange_in_backward!r}"
             )
-        self.exchange_in_backward = exchange_in_backward
+        #: Resolved: whether the compression stage's exchange runs in backward.
+        self.exchange_in_backward: bool = exchange_in_backward
 
     def __getstate__(self) -> dict[str, Any]:
         # Pickling a DDP model pickles its hook state; the optimizer is saved on its own

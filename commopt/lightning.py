@@ -40,16 +40,16 @@ class OnebitHookCallback(Callback):
     paired with the module's one commopt optimizer.
 
     Args:
-        exchange_in_backward: passed to :class:`~commopt.ddp.OnebitHookState` (False: the 1-bit
-            exchange runs in ``step()``; with ``DDPStrategy(gradient_as_bucket_view=True)`` the
-            faster choice on CPU-bound hosts, docs/ddp.md).
+        exchange_in_backward: passed to :class:`~commopt.ddp.OnebitHookState` (``None``, the
+            default: in backward on CUDA, in ``step()`` elsewhere, where it was measured faster
+            with ``DDPStrategy(gradient_as_bucket_view=True)``; docs/ddp.md).
 
     Raises:
         ValueError: under DDP, ``configure_optimizers`` returned no commopt optimizer, or more
             than one (DDP takes one communication hook per model).
     """
 
-    def __init__(self, exchange_in_backward: bool = True) -> None:
+    def __init__(self, exchange_in_backward: bool | None = None) -> None:
         self.exchange_in_backward = exchange_in_backward
         self.state: OnebitHookState | None = None
 

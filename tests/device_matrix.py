@@ -76,7 +76,9 @@ def _train(backend: Any, name: str, mode: str, device: torch.device) -> dict[str
         net = DistributedDataParallel(model, bucket_cap_mb=cap)
     opt = info.make(net.parameters(), **kwargs)
     if mode.startswith("ddp"):
-        net.register_comm_hook(commopt.ddp.OnebitHookState(opt), commopt.ddp.onebit_hook)
+        net.register_comm_hook(
+            commopt.ddp.OnebitHookState(opt, exchange_in_backward=True), commopt.ddp.onebit_hook
+        )
     digests, losses = [], []
     for step in range(1, info.steps + 1):
         x, y = _batch(backend.rank, step, device)

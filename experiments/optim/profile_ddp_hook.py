@@ -4,8 +4,12 @@
     python -m experiments.optim.profile_ddp_hook prof     # and a cProfile of rank 0
 
 Two forked gloo ranks on loopback, the tcp benchmark's 25.2M-parameter WideMLP, 1-bit Adam in
-its compression stage, three ways in one run, twice: the standalone optimizer, DDP with
-commopt's hook, and DDP with the hook and ``gradient_as_bucket_view=True``.
+its compression stage, in one run, twice: the standalone optimizer; DDP with commopt's hook
+running the exchange in backward (``exchange_in_backward=True``) or in ``step()`` (``False``),
+each with and without ``gradient_as_bucket_view=True``; and the hook's default (``None``: here,
+on CPU, the exchange in ``step()``) with bucket views, as a user who sets nothing but DDP's
+option gets it. Prints each mode's median forward/backward/step() ms and its ratio to the
+standalone optimizer of the same round.
 """
 
 import cProfile
@@ -33,9 +37,9 @@ def run(backend, mode, prof):
     )
     opt = commopt.OnebitAdam(m.parameters(), lr=1e-6, freeze_step=2, backend=backend)
     if mode.startswith("ddp"):
-        m.register_comm_hook(commopt.ddp.OnebitHookState(opt), commopt.ddp.onebit_hook)
-    if "late" in mode:  # the hook leaves the compression stage's exchange to step()
-        opt.early_work.decline()
+        where = {"early": True, "late": False, "default": None}[mode.split("-")[1]]
+        state = commopt.ddp.OnebitHookState(opt, exchange_in_backward=where)
+        m.register_comm_hook(state, commopt.ddp.onebit_hook)
     g = torch.Generator().manual_seed(backend.rank)
     x, y = torch.randn(4, 1024, generator=g), torch.randn(4, 1024, generator=g)
     times = []
@@ -62,10 +66,27 @@ def run(backend, mode, prof):
     return [tuple(round(1e3 * v) for v in t) for t in times[4:]], out
 
 
+MODES = (
+    "standalone",
+    "ddp-early",
+    "ddp-early-view",
+    "ddp-late",
+    "ddp-late-view",
+    "ddp-default-view",
+)
+
+
 if __name__ == "__main__":
     prof = len(sys.argv) > 1
-    for mode in ("standalone", "ddp", "ddp-view", "ddp-late", "ddp-late-view") * 2:
-        r = run_ranks(run, 2, mode, prof, timeout=300)
-        print(mode, "fwd/bwd/step ms:", r[0][0])
-        if prof:
-            print(r[0][1])
+    for round_ in (1, 2):
+        print(f"round {round_}: mode, median fwd/bwd/step ms, total, ÷ standalone")
+        totals = {}
+        for mode in MODES:
+            r = run_ranks(run, 2, mode, prof, timeout=300)
+            steps = r[0][0]
+            parts = [sorted(step[i] for step in steps)[len(steps) // 2] for i in range(3)]
+            totals[mode] = sorted(sum(step) for step in steps)[len(steps) // 2]
+            ratio = totals[mode] / totals["standalone"]
+            print(f"  {mode:18s} {parts} {totals[mode]:5d} ms  {ratio:.2f}x")
+            if prof:
+                print(r[0][1])

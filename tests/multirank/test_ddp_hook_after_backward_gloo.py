@@ -51,7 +51,9 @@ def _train(backend, name: str, hook: bool, habit: str, at: list[int], view: bool
         model = DistributedDataParallel(copy.deepcopy(plain), gradient_as_bucket_view=view)
     opt = OPTIMIZERS[name](model.parameters(), backend)
     if hook:
-        model.register_comm_hook(commopt.ddp.OnebitHookState(opt), commopt.ddp.onebit_hook)
+        model.register_comm_hook(
+            commopt.ddp.OnebitHookState(opt, exchange_in_backward=True), commopt.ddp.onebit_hook
+        )
     digests = []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

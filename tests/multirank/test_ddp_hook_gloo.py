@@ -75,7 +75,9 @@ def _pair(backend, bucket_cap_mb: float, opt_bucket: int | None, extra: bool, na
         if opt_bucket is not None:
             opt._bucket_numel = opt_bucket  # several optimizer buckets, completed mid-backward
         opts.append(opt)
-    ddp.register_comm_hook(commopt.ddp.OnebitHookState(opts[0]), commopt.ddp.onebit_hook)
+    ddp.register_comm_hook(
+        commopt.ddp.OnebitHookState(opts[0], exchange_in_backward=True), commopt.ddp.onebit_hook
+    )
     return ddp, opts[0], plain, opts[1], scales
 
 
@@ -265,7 +267,9 @@ def _foreign(backend):
     ddp = DistributedDataParallel(copy.deepcopy(model))
     opt = commopt.OnebitAdam(ddp.module[1].parameters(), lr=0.01, freeze_step=1)
     sgd = torch.optim.SGD(ddp.module[0].parameters(), lr=0.1)
-    ddp.register_comm_hook(commopt.ddp.OnebitHookState(opt), commopt.ddp.onebit_hook)
+    ddp.register_comm_hook(
+        commopt.ddp.OnebitHookState(opt, exchange_in_backward=True), commopt.ddp.onebit_hook
+    )
     checks = []
     for step in range(1, 4):  # warmup, then compression: the foreign layer is averaged in both
         x, y = _batch(backend.rank, step)
@@ -326,7 +330,9 @@ def _grad_scaler(backend):
     torch.manual_seed(0)
     ddp = DistributedDataParallel(torch.nn.Linear(4, 2))
     opt = commopt.OnebitAdam(ddp.parameters(), lr=0.01, freeze_step=1, backend=backend)
-    ddp.register_comm_hook(commopt.ddp.OnebitHookState(opt), commopt.ddp.onebit_hook)
+    ddp.register_comm_hook(
+        commopt.ddp.OnebitHookState(opt, exchange_in_backward=True), commopt.ddp.onebit_hook
+    )
     scaler = torch.amp.GradScaler("cpu", init_scale=8.0)
     for step in range(1, 3):  # the warmup step works; the compression step refuses
         x, _ = _batch(backend.rank, step)

@@ -13,6 +13,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 import commopt
+import commopt.lightning
 from tests.multirank.harness import run_ranks
 from tests.multirank.test_ddp_hook_gloo import OPTIMIZERS, STEPS, _batch, _model
 
@@ -52,7 +53,19 @@ def test_late_exchange_equals_standalone(name: str, view: bool) -> None:
     assert late[0]["in_backward"] == 0 < early[0]["in_backward"]
 
 
-def test_exchange_in_backward_must_be_a_bool() -> None:
+def test_exchange_in_backward_must_be_a_bool_or_none() -> None:
     opt = commopt.OnebitAdam(torch.nn.Linear(2, 2).parameters(), freeze_step=1)
-    with pytest.raises(TypeError, match="exchange_in_backward must be True or False"):
+    with pytest.raises(TypeError, match="exchange_in_backward must be True, False or None"):
         commopt.ddp.OnebitHookState(opt, exchange_in_backward="no")
+
+
+def test_the_default_follows_the_parameters_device() -> None:
+    """None: late on CPU (measured faster there, docs/performance.md), in backward where the
+    parameters are on a CUDA device; an explicit value is kept."""
+    opt = commopt.OnebitAdam(torch.nn.Linear(2, 2).parameters(), freeze_step=1)
+    assert commopt.ddp.OnebitHookState(opt).exchange_in_backward is False
+    assert commopt.ddp.OnebitHookState(opt, exchange_in_backward=True).exchange_in_backward
+    assert commopt.lightning.OnebitHookCallback().exchange_in_backward is None
+    if torch.cuda.is_available():
+        on_gpu = commopt.OnebitAdam(torch.nn.Linear(2, 2).cuda().parameters(), freeze_step=1)
+        assert commopt.ddp.OnebitHookState(on_gpu).exchange_in_backward is True

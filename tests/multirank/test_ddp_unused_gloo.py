@@ -46,7 +46,9 @@ def _train(backend, name: str, hook: bool, view: bool = False) -> list[str]:
         net = model.module
     opt = OPTIMIZERS[name](model.parameters(), backend)
     if hook:
-        model.register_comm_hook(commopt.ddp.OnebitHookState(opt), commopt.ddp.onebit_hook)
+        model.register_comm_hook(
+            commopt.ddp.OnebitHookState(opt, exchange_in_backward=True), commopt.ddp.onebit_hook
+        )
     digests = []
     for step in range(1, STEPS + 1):
         net.use_aux = step <= 4 or backend.rank == 0

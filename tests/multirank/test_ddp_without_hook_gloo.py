@@ -26,7 +26,9 @@ def _train(backend, name: str, setup: str) -> list[str]:
     net = model if setup == "standalone" else DistributedDataParallel(model)
     opt = info.make(net.parameters(), backend=backend)
     if setup == "hook":
-        net.register_comm_hook(commopt.ddp.OnebitHookState(opt), commopt.ddp.onebit_hook)
+        net.register_comm_hook(
+            commopt.ddp.OnebitHookState(opt, exchange_in_backward=True), commopt.ddp.onebit_hook
+        )
     gen = torch.Generator().manual_seed(backend.rank)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
