@@ -9,18 +9,21 @@
 
 #define COMMOPT_THREADS 256
 
-// Sum of v over the block, valid in thread 0 (fixed order: warp shuffles, then warps 0..7).
-__device__ double commopt_block_sum(double v) {
-    __shared__ double warp_sums[COMMOPT_THREADS / 32];
+// Each warp's sum of v into sums[warp] (warp shuffles, a fixed order), then a barrier.
+__device__ void commopt_warp_sums(double v, double* sums) {
     for (int offset = 16; offset > 0; offset >>= 1) {
         v += __shfl_down_sync(0xffffffffu, v, offset);
     }
-    const int lane = threadIdx.x & 31;
-    const int warp = threadIdx.x >> 5;
-    if (lane == 0) {
-        warp_sums[warp] = v;
+    if ((threadIdx.x & 31) == 0) {
+        sums[threadIdx.x >> 5] = v;
     }
     __syncthreads();
+}
+
+// Sum of v over the block, valid in thread 0 (fixed order: warp shuffles, then warps 0..7).
+__device__ double commopt_block_sum(double v) {
+    __shared__ double warp_sums[COMMOPT_THREADS / 32];
+    commopt_warp_sums(v, warp_sums);
     double total = 0.0;
     if (threadIdx.x == 0) {
         for (int w = 0; w < COMMOPT_THREADS / 32; ++w) {
@@ -35,18 +38,10 @@ __device__ double commopt_block_sum(double v) {
 // calling it again (the shared warp sums are reused).
 __device__ double commopt_half_block_sum(double v) {
     __shared__ double half_sums[COMMOPT_THREADS / 32];
-    for (int offset = 16; offset > 0; offset >>= 1) {
-        v += __shfl_down_sync(0xffffffffu, v, offset);
-    }
-    const int lane = threadIdx.x & 31;
-    const int warp = threadIdx.x >> 5;
-    if (lane == 0) {
-        half_sums[warp] = v;
-    }
-    __syncthreads();
+    commopt_warp_sums(v, half_sums);
     double total = 0.0;
     if ((threadIdx.x & (COMMOPT_THREADS / 2 - 1)) == 0) {
-        const int first = warp;  // 0 or 4
+        const int first = threadIdx.x >> 5;  // warp 0 or 4
         for (int w = first; w < first + COMMOPT_THREADS / 64; ++w) {
             total += half_sums[w];
         }
