@@ -191,7 +191,7 @@ class CupyKernels:
         :class:`commopt.kernels.ServerStages`); ranges start at multiples of 1024 elements."""
         if not (self.takes(server_error) and server_error.dtype == _F32):
             return self.reference.server_stages(server_error)
-        return CupyServerStages(self.runtime, server_error)
+        return CupyServerStages(self, server_error)
 
     def guard_denominator_(
         self,
@@ -282,9 +282,9 @@ class CupyServerStages:
 
     align = _SERVER_BLOCK
 
-    def __init__(self, runtime: KernelRuntime, server_error: torch.Tensor) -> None:
+    def __init__(self, kernels: CupyKernels, server_error: torch.Tensor) -> None:
         self.f = server_error
-        self._runtime = runtime
+        self._kernels = kernels
         m = server_error.numel()
         # Its own partial sums (not the launcher's workspace): they live across launches. NaN
         # until averaged: a block left out would make t NaN rather than plausible.
@@ -313,7 +313,7 @@ class CupyServerStages:
         device = self.f.device
         recv_bits = recv_bits.to(device=device).contiguous()
         scales = scales.to(device=device, dtype=_F32).contiguous()
-        launch = self._runtime.launcher(self.f)
+        launch = self._kernels.runtime.launcher(self.f)
         server_average(launch, recv_bits, scales, lo, self.f, self._partial, None)
 
     def scale(self) -> torch.Tensor:
@@ -323,7 +323,7 @@ class CupyServerStages:
         if done != m:
             raise ValueError(f"server scale() after averaging {done} of the chunk's {m} elements")
         t = torch.empty(1, dtype=_F32, device=self.f.device)
-        self._runtime.launcher(self.f)(
+        self._kernels.runtime.launcher(self.f)(
             "worker.cu",
             "commopt_finish_rms",
             (1,),
@@ -335,10 +335,8 @@ class CupyServerStages:
         """bits = pack(c_s ≥ 0) and f ← c_s − t·sgn(c_s) on f[lo : lo + 8·bits.numel()]."""
         hi = self._range(lo, 8 * bits.numel(), "pack")
         t = t.to(device=self.f.device, dtype=_F32).reshape(1)
-        device_type = self.f.device.type
-        on_device = bits.device.type == device_type and bits.is_contiguous()
-        out = bits if on_device else torch.empty_like(bits, device=self.f.device)
+        out = bits if self._kernels.takes(bits) else torch.empty_like(bits, device=self.f.device)
         c_s = self.f[lo:hi]
-        pack_update(self._runtime.launcher(self.f), c_s, t, c_s, out)
+        pack_update(self._kernels.runtime.launcher(self.f), c_s, t, c_s, out)
         if out is not bits:
             bits.copy_(out)
