@@ -17,7 +17,7 @@ Usage::
     # the training loop is unchanged: backward, optimizer.step(), zero_grad
 
 What the hook does with a bucket depends on what the optimizer's next step does with each
-parameter (``CompressedOptimizer._early_kind``):
+parameter (the algorithm's :class:`~commopt.optim.early.EarlyPlan`):
 
 1. **average** (1-bit Adam's and 1-bit LAMB's warmup, 0/1 Adam's variance steps): the bucket's
    gradients are copied into the optimizer's bucket layout, and as soon as an optimizer bucket
@@ -52,7 +52,7 @@ Semantics to know:
   warmup, as with DDP. In the compression stage the local gradient has already been folded
   into the momentum when backward returns; ``step()`` sees that ``p.grad`` (or β1) changed
   since and redoes the step as the standalone optimizer would, from ``p.grad`` (the same bits;
-  the communication paid twice in that step; :mod:`commopt.optim.early_reads`).
+  the communication paid twice in that step; :class:`commopt.optim.early.EarlyReads`).
 - **GradScaler** (fp16 loss scaling) cannot be combined with the compression stage: the
   gradient is folded before the scaler unscales it; ``step()`` raises. bf16 autocast needs no
   scaler and works.
@@ -72,8 +72,7 @@ import torch.distributed as dist
 from commopt.comm import all_reduce_async
 from commopt.comm.handoff import completed_future, device_future
 from commopt.optim.base import CompressedOptimizer
-from commopt.optim.early import AVERAGE, GRADIENT, MOMENTUM
-from commopt.optim.early_reads import after_ddp_backward
+from commopt.optim.early import Kind, after_ddp_backward
 
 __all__ = ["OnebitHookState", "onebit_hook"]
 
@@ -139,7 +138,7 @@ class OnebitHookState:
                 f"ZeroOneAdam), got {type(optimizer).__name__}; for a plain torch optimizer keep "
                 "DDP's default hook"
             )
-        if optimizer._overlap:
+        if optimizer.overlap:
             raise ValueError(
                 f"{type(optimizer).__name__} was built with overlap=True, which starts its "
                 "communication from gradient hooks; under DDP the commopt hook does that: build "
@@ -221,11 +220,11 @@ def onebit_hook(
     if unused:
         after_ddp_backward(functools.partial(_forget_grads, unused))
     # 2.
-    fold = [i for i, k in enumerate(kinds) if k in (MOMENTUM, GRADIENT)]
+    fold = [i for i, k in enumerate(kinds) if k in (Kind.MOMENTUM, Kind.GRADIENT)]
     if fold:
         work.fold([params[i] for i in fold], [buffer[slices[i]] for i in fold])
     # 3.
-    average = [i for i, k in enumerate(kinds) if k == AVERAGE]
+    average = [i for i, k in enumerate(kinds) if k == Kind.AVERAGE]
     owned = [i for i in average if work.locate(params[i]) is not None]
     foreign = [i for i in average if work.locate(params[i]) is None]
     pending: list[tuple[torch.futures.Future[torch.Tensor], list[tuple[slice, int, int]]]] = []

@@ -7,13 +7,22 @@ for the momentum, one ``addcdiv`` for the update) so that results match it bit f
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+from commopt.step_guard import guarded_denominator, guarded_elements
+
+if TYPE_CHECKING:
+    from commopt.buckets import Segment
+    from commopt.optim.flat_state import FlatState
 
 __all__ = [
     "adam_update_",
     "denominator_",
+    "guarded_adam_update_",
     "momentum_from_grads_",
     "update_moments_",
 ]
@@ -73,3 +82,35 @@ def adam_update_(
     if weight_decay != 0:
         torch._foreach_mul_(params, 1 - lr * weight_decay)
     torch._foreach_addcdiv_(params, list(m_views), list(d_views), value=-step_size)
+
+
+def guarded_adam_update_(
+    state: FlatState,
+    segments: Iterable[tuple[Segment, dict[str, Any]]],
+    m: torch.Tensor,
+    d: torch.Tensor,
+    step_sizes: Sequence[float],
+    limits: Sequence[float | None],
+    step_guard: bool | str,
+    target: torch.Tensor | None = None,
+) -> None:
+    r"""p ← p·(1 − η·λ) − step_size·m/d′ for each segment and its group, where d′ = d except
+    on the elements the step guard names (:func:`~commopt.step_guard.guarded_elements`):
+    d′ = max(d, |m|/limit) there, so |m/d′| ≤ limit. ``limits[k]`` None: segment k is not
+    guarded (d′ = d). ``target``: a flat buffer laid out like the bucket takes the update in
+    place of the parameters (0/1 Adam's staged sync). The one guarded Adam update of 1-bit
+    and 0/1 Adam; every unguarded element has the bits of ``addcdiv(m, d)``."""
+    d_guard = None  # d, with the guarded elements rewritten (the whole bucket, kept)
+    for (seg, group), step_size, limit in zip(segments, step_sizes, limits, strict=True):
+        guarded = limit is not None and not math.isinf(limit)
+        where = guarded_elements(step_guard, state, seg) if guarded else None
+        d_seg = d
+        if where is not None:
+            if d_guard is None:
+                d_guard = state.guard_denominator_base(d)
+            d_seg = d_guard
+            sl = seg.slice
+            guarded_denominator(d_seg[sl], m[sl], d[sl], limit, where, copy=False)
+        params = seg.params if target is None else seg.views(target)
+        wd = group["weight_decay"]
+        adam_update_(params, seg.views(m), seg.views(d_seg), group["lr"], wd, step_size)

@@ -20,8 +20,10 @@ An algorithm subclass names its flat keys and implements ``_step(step)``.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
 
@@ -29,16 +31,16 @@ import torch
 
 from commopt.buckets import DEFAULT_BUCKET_NUMEL, Segment
 from commopt.comm import Backend
+from commopt.comm.channels import open_channel
 from commopt.compressed import NonFiniteError
 from commopt.exchange import Exchange
 from commopt.freeze import AutoFreeze, FreezePoint, VarianceLevel
 from commopt.optim.agreement import GradientAgreement, left_untouched
 from commopt.optim.communication import Communication
 from commopt.optim.config import ConfigAttributes
-from commopt.optim.early import EarlyWork
+from commopt.optim.early import CommThread, EarlyPlan, EarlyWork, GradientHooks
 from commopt.optim.flat_state import FlatState
 from commopt.optim.layout import BucketLayout
-from commopt.optim.overlap import BackwardWork, GradientHooks
 from commopt.optim.param_checks import check_param_group
 from commopt.optim.precision import master_weights, unscale_grads_
 from commopt.optim.resume import commopt_entry, keep_state_dtypes, split_commopt_entry
@@ -52,8 +54,9 @@ logger = logging.getLogger("commopt")
 TOPOLOGIES = ("flat", "hierarchical", "auto")
 
 
-class CompressedOptimizer(BackwardWork, ConfigAttributes, torch.optim.Optimizer):
-    """Base class: subclasses implement ``_step(step)`` and name their flat state keys."""
+class CompressedOptimizer(ConfigAttributes, torch.optim.Optimizer):
+    """Base class: subclasses implement ``_step(step)`` and ``_early_plan()`` and name their
+    flat state keys."""
 
     #: per-parameter fp32 state kept in flat bucket buffers, identical on all ranks
     _flat_keys: tuple[str, ...] = ()
@@ -88,7 +91,6 @@ class CompressedOptimizer(BackwardWork, ConfigAttributes, torch.optim.Optimizer)
         self.global_state: dict[str, Any] = {"step": 0, "skipped_steps": 0}
         self.requested_backend = backend
         self._comm = Communication(backend, topology, config.error_feedback, config.econtrol_eta)
-        self._rounds = self._comm.rounds  # (commopt.optim.early counts into it too)
         self._layout = BucketLayout(
             type(self).__name__, self._flat_keys, self._lazy_flat_keys, self._scalar_keys
         )
@@ -96,16 +98,24 @@ class CompressedOptimizer(BackwardWork, ConfigAttributes, torch.optim.Optimizer)
         self._freeze = FreezePoint(getattr(config, self._freeze_field), self.global_state)
         self._zero_variance_guard = ZeroVarianceGuard(type(self).__name__)
         self._early: EarlyWork | None = None  # work started before step() (commopt.ddp)
+        self._thread: CommThread | None = None  # overlap=True: where the early work's
+        # collectives run; the hooks reach the early work weakly (a dropped optimizer is
+        # collected, and its thread stopped, at once)
+        ref = weakref.ref(self)
+        self._hooks = GradientHooks(lambda: ref().early_work)  # type: ignore[union-attr]
         self._step_now = 0  # the step being taken (set by step())
         self._ddp_checks_left = 2  # steps that still check for DDP's averaged gradients
         self._compression_announced = False  # logged once, on rank 0
-        self._hooks = GradientHooks(self)  # overlap=True: work started from gradient hooks
         super().__init__(params, defaults)
 
     # -- hooks for subclasses -----------------------------------------------------------------
     def _step(self, step: int) -> None:  # pragma: no cover - every subclass defines it
         """Run step ``step`` (counted from 1) of the algorithm; gradients were agreed on."""
         raise NotImplementedError(f"{type(self).__name__} must define _step")
+
+    def _early_plan(self) -> EarlyPlan:  # pragma: no cover - every subclass defines it
+        """What of a bucket's next step may start during backward, and how it is exchanged."""
+        raise NotImplementedError(f"{type(self).__name__} must define _early_plan")
 
     def _communicates(self, step: int) -> bool:
         """Whether step ``step`` talks to other ranks. A purely local step (False) agrees on
@@ -204,7 +214,82 @@ class CompressedOptimizer(BackwardWork, ConfigAttributes, torch.optim.Optimizer)
         """flat ← 0 wherever v is exactly 0 (:class:`ZeroVarianceGuard`)."""
         self._zero_variance_guard.apply_(state, flat, warn=self.backend.rank == 0)
 
-    # -- work started before step(): the DDP hook (commopt.ddp) ---------------------------------
+    # -- work started before step(): the DDP hook (commopt.ddp) or overlap=True ---------------
+    @property
+    def early_work(self) -> EarlyWork:
+        """Work a DDP communication hook or ``overlap=True`` started on this optimizer's
+        buckets during backward, staged until ``step()`` takes or skips the step
+        (:mod:`commopt.optim.early`)."""
+        if self._early is None:
+            self._early = EarlyWork(
+                layout=lambda: self.flat_states,
+                groups=lambda: self.param_groups,
+                next_step=lambda: self.global_state["step"] + 1,
+                comm=self._comm,
+                plan=self._early_plan(),
+                thread=self._thread,
+            )
+        return self._early
+
+    @property
+    def overlap(self) -> bool:
+        """The constructor's ``overlap``: each bucket's communication starts during backward."""
+        return self._thread is not None
+
+    def _averaged_grads(self, state: FlatState) -> torch.Tensor:
+        """The bucket's gradients averaged over all ranks at full precision, flat, in scratch
+        ``"grad"``; those the early work already averaged are not averaged again."""
+        g = state.scratch("grad")
+        if self._early is not None:
+            return self._early.averaged_grads(state, self._step_now, g)
+        self._average(state.gather_grads(g))
+        return g
+
+    def _take_exchanged_momentum(self, state: FlatState) -> bool:
+        """Commit the momentum the early work folded and exchanged for this bucket into
+        ``exp_avg`` (and its error buffers); False: none was, the algorithm does it now."""
+        return self._early is not None and self._early.take_momentum(state, self._step_now)
+
+    def _take_exchanged_gradient(self, state: FlatState) -> torch.Tensor | None:
+        """The bucket's local gradient exchanged at one bit during backward (``GRADIENT``),
+        its error buffers committed; None: it was not, the algorithm does it now."""
+        if self._early is None:
+            return None
+        return self._early.take_gradient(state, self._step_now)
+
+    def _set_overlap(self, overlap: bool, bucket_numel: int | None) -> None:
+        """The constructor's ``overlap`` and ``bucket_numel`` (None: the class's layout),
+        checked; called once ``param_groups`` exist, before the buckets are laid out. With
+        overlap the thread's channel is opened here: collectively, while every rank builds
+        the optimizer (not at the first job, which a rank that skips that backward pass would
+        never reach)."""
+        if not isinstance(overlap, bool):
+            raise TypeError(f"overlap must be True or False, got {overlap!r}")
+        if bucket_numel is not None:
+            if isinstance(bucket_numel, bool) or not isinstance(bucket_numel, int):
+                raise TypeError(f"bucket_numel must be an int, got {type(bucket_numel).__name__}")
+            if bucket_numel < 1:
+                raise ValueError(f"Invalid bucket_numel: {bucket_numel} (must be >= 1)")
+            self._bucket_numel = bucket_numel
+        if not overlap:
+            return
+        thread = self._thread = CommThread(f"commopt-{type(self).__name__}")
+        weakref.finalize(self, thread.close)
+        thread.channel, closer = open_channel(self.backend)
+        if closer is not None:  # freed with the thread (the optimizer is dropped)
+            thread.on_close.append(closer)
+        self._hooks.enable([p for g in self.param_groups for p in g["params"]])
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside start no communication (gradient accumulation with
+        ``overlap=True``: every pass but the last before ``step()``), like DDP's ``no_sync``."""
+        previous, self._hooks.paused = self._hooks.paused, True
+        try:
+            yield
+        finally:
+            self._hooks.paused = previous
+
     # -- torch.optim.Optimizer API ------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
@@ -215,7 +300,7 @@ class CompressedOptimizer(BackwardWork, ConfigAttributes, torch.optim.Optimizer)
                 loss = closure()
         params = [p for g in self.param_groups for p in g["params"]]
         try:
-            if self._overlap:  # the thread's collectives come first (on every rank, one that
+            if self.overlap:  # the thread's collectives come first (on every rank, one that
                 self.early_work.drain(agree=True)  # skipped backward included)
             elif self._early is not None:
                 self._early.drain()
@@ -252,7 +337,7 @@ class CompressedOptimizer(BackwardWork, ConfigAttributes, torch.optim.Optimizer)
             if collective and verdict.redo and self._early.mismatch is None:
                 self._early.decline()  # agreed on every rank: no second redo, no double cost
             self._early.clear()
-            warn_redone(type(self).__name__, why, self.backend.rank, self._overlap)
+            warn_redone(type(self).__name__, why, self.backend.rank, self.overlap)
         if digest:
             self._ddp_checks_left -= 1
             if verdict.identical:

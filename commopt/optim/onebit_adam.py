@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
+
+import torch
 
 from commopt.comm import Backend
 from commopt.freeze import AutoFreezeSettings, VarianceLevel, auto_settings, variance_level
-from commopt.optim.adam_math import adam_update_, momentum_from_grads_, update_moments_
+from commopt.optim.adam_math import guarded_adam_update_, momentum_from_grads_, update_moments_
 from commopt.optim.base import CompressedOptimizer
 from commopt.optim.config import (
     DEFAULT_FREEZE_STEP,
@@ -15,9 +18,9 @@ from commopt.optim.config import (
     check_adam_arguments,
     document_schedule,
 )
-from commopt.optim.early_kind import Kind
+from commopt.optim.early import Kind
 from commopt.optim.flat_state import FlatState
-from commopt.step_guard import guarded_denominator, guarded_elements, step_bound
+from commopt.step_guard import step_bound
 
 __all__ = ["OnebitAdam"]
 
@@ -185,11 +188,8 @@ class OnebitAdam(CompressedOptimizer):
         if observed and automatic and math.isinf(freeze_step):
             self._observe_variance(step, self._variance_level(observed, step))
 
-    def _early_kind(self, state: FlatState, step: int) -> Kind | None:
-        """A DDP hook may average the warmup's gradients and, after it, fold and exchange the
-        momentum (commopt.ddp)."""
-        t = step - self.first_step(state)
-        return Kind.AVERAGE if t <= self.frozen_after() else Kind.MOMENTUM
+    def _early_plan(self) -> _EarlyPlan:
+        return _EarlyPlan(self, self._compress)
 
     def _variance_level(self, states: list[FlatState], t: int) -> VarianceLevel:
         """Σ_k ln mean(√v̂_k) over the tensors of these buckets (v̂ bias-corrected as used)."""
@@ -206,35 +206,45 @@ class OnebitAdam(CompressedOptimizer):
         with ``step_guard``, in the compression stage |m̂/(√v̂ + ε)| ≤ B(β1, β2) (on the
         elements :func:`~commopt.step_guard.guarded_elements` names)."""
         variance_t = min(t, freeze_step)
-        bias_sqrt, step_sizes, eps = [], [], []
+        bias_sqrt, step_sizes, eps, limits = [], [], [], []
         for _, group in self.segments(state):
             beta1, beta2 = group["betas"]
             correct = group["bias_correction"]
             bias_sqrt.append(math.sqrt(1 - beta2**variance_t) if correct else 1.0)
             step_sizes.append(group["lr"] / (1 - beta1**t) if correct else group["lr"])
             eps.append(group["eps"])
+            bound = step_bound(self.config.step_guard, group["betas"], correct)
+            # |m/d| ≤ B·lr/step_size, so that |m̂/d| ≤ B
+            limits.append(bound * group["lr"] / step_sizes[-1] if t > freeze_step else None)
         d = state.denominator(bias_sqrt, eps)
         m = state.flat["exp_avg"]
-        d_guard = None  # d, with the guarded elements rewritten below (the whole bucket)
-        for (seg, group), step_size in zip(self.segments(state), step_sizes, strict=True):
-            where = (
-                guarded_elements(self.config.step_guard, state, seg) if t > freeze_step else None
-            )
-            d_seg = d
-            if where is not None:  # |m/d| ≤ B·lr/step_size, so that |m̂/d| ≤ B
-                if d_guard is None:
-                    d_guard = state.guard_denominator_base(d)
-                d_seg = d_guard
-                bound = step_bound(self.config.step_guard, group["betas"], group["bias_correction"])
-                sl = seg.slice
-                guarded_denominator(
-                    d_seg[sl], m[sl], d[sl], bound * group["lr"] / step_size, where, copy=False
-                )
-            adam_update_(
-                seg.params,
-                seg.views(m),
-                seg.views(d_seg),
-                group["lr"],
-                group["weight_decay"],
-                step_size,
-            )
+        segments = self.segments(state)
+        guarded_adam_update_(state, segments, m, d, step_sizes, limits, self.config.step_guard)
+
+
+class _EarlyPlan:
+    """1-bit Adam's :class:`~commopt.optim.early.EarlyPlan`: a DDP hook or ``overlap=True`` may
+    average the warmup's gradients and, after it, fold and exchange the momentum."""
+
+    fold_missing_as_zero = False  # momentum_from_grads_: m·β1 without a gradient
+
+    def __init__(self, opt: OnebitAdam, compress: Callable[..., torch.Tensor]) -> None:
+        self._opt, self._compress = opt, compress
+
+    def kind(self, state: FlatState, step: int) -> Kind:
+        t = step - self._opt.first_step(state)
+        return Kind.AVERAGE if t <= self._opt.frozen_after() else Kind.MOMENTUM
+
+    def exchange(
+        self,
+        state: FlatState,
+        m: torch.Tensor,
+        errors: dict[str, torch.Tensor],
+        step: int,
+        staged: object,
+    ) -> None:
+        del step, staged
+        self._compress(state, m, errors)
+
+    def snapshot(self) -> None:
+        return None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
@@ -18,7 +19,7 @@ from commopt.optim.config import (
     check_adam_arguments,
     document_schedule,
 )
-from commopt.optim.early_kind import Kind
+from commopt.optim.early import Kind
 from commopt.optim.flat_state import FlatState
 from commopt.optim.lamb_scaling import early_sigma, exchange_scaled_, freeze_scaling_coeffs
 from commopt.optim.per_tensor import per_tensor, scale_tensors_, tensor_norms, tensor_ranges
@@ -238,21 +239,8 @@ class OnebitLamb(CompressedOptimizer):
                 for state in warm:
                     state.buffer("exp_avg_sq_fresh").copy_(state.flat["exp_avg_sq"])
 
-    _fold_missing_as_zero = True  # _exchange_momentum folds gather_grads' zeros through lerp
-
-    def _early_kind(self, state: FlatState, step: int) -> Kind | None:
-        """A DDP hook may average the warmup's gradients and, in the compression stage, fold
-        the local gradient into a staged momentum and exchange it scaled by σ (commopt.ddp):
-        both depend on the gradient and the committed state alone."""
-        t = step - self.first_step(state)
-        return Kind.AVERAGE if t <= self.frozen_after() else Kind.MOMENTUM
-
-    def _early_exchange(
-        self, state: FlatState, m: torch.Tensor, errors: dict[str, torch.Tensor], step: int
-    ) -> None:
-        """Steps 3–5 on a staged m' = β1·m + (1−β1)·g: m' ← C(m'·σ)/σ, with the σ of
-        :func:`~commopt.optim.lamb_scaling.early_sigma`."""
-        exchange_scaled_(self._compress, state, m, early_sigma(self, state, step), errors)
+    def _early_plan(self) -> _EarlyPlan:
+        return _EarlyPlan(self, self._compress)
 
     def _warmup_step(self, state: FlatState, keep_fresh: bool) -> None:
         """LAMB on the averaged gradient; the trust ratios feed the EMA c̄."""
@@ -399,3 +387,36 @@ class OnebitLamb(CompressedOptimizer):
         scale_tensors_(state.bucket, u, scale)
         for p, view in zip(state.bucket.params, state.bucket.views(u), strict=True):
             p.add_(view if p.dtype == view.dtype else view.to(p.dtype))
+
+
+class _EarlyPlan:
+    """1-bit LAMB's :class:`~commopt.optim.early.EarlyPlan`: a DDP hook or ``overlap=True`` may
+    average the warmup's gradients and, in the compression stage, fold the local gradient into
+    a staged momentum and exchange it scaled by σ: both depend on the gradient and the
+    committed state alone."""
+
+    fold_missing_as_zero = True  # _exchange_momentum folds gather_grads' zeros through lerp
+
+    def __init__(self, opt: OnebitLamb, compress: Callable[..., torch.Tensor]) -> None:
+        self._opt, self._compress = opt, compress
+
+    def kind(self, state: FlatState, step: int) -> Kind:
+        t = step - self._opt.first_step(state)
+        return Kind.AVERAGE if t <= self._opt.frozen_after() else Kind.MOMENTUM
+
+    def exchange(
+        self,
+        state: FlatState,
+        m: torch.Tensor,
+        errors: dict[str, torch.Tensor],
+        step: int,
+        staged: object,
+    ) -> None:
+        """Steps 3–5 on a staged m′ = β1·m + (1−β1)·g: m′ ← C(m′·σ)/σ, with the σ of
+        :func:`~commopt.optim.lamb_scaling.early_sigma`."""
+        del staged
+        sigma = early_sigma(self._opt, state, step)
+        exchange_scaled_(self._compress, state, m, sigma, errors)
+
+    def snapshot(self) -> None:
+        return None

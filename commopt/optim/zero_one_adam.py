@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
@@ -10,7 +11,7 @@ import torch
 from commopt.comm import Backend
 from commopt.compressed import NonFiniteError
 from commopt.freeze import AutoFreezeSettings, auto_settings, settled_step, variance_level
-from commopt.optim.adam_math import adam_update_, momentum_from_grads_, update_moments_
+from commopt.optim.adam_math import guarded_adam_update_, momentum_from_grads_, update_moments_
 from commopt.optim.base import CompressedOptimizer
 from commopt.optim.config import (
     DEFAULT_FREEZE_STEP,
@@ -18,26 +19,22 @@ from commopt.optim.config import (
     check_adam_arguments,
     document_schedule,
 )
+from commopt.optim.early import Kind, StagedBuffers
 from commopt.optim.flat_state import FlatState
+from commopt.optim.user_warning import warn_at_caller
 from commopt.optim.variance_bias import (
     momentum_step_size,
     variance_bias_sqrt,
     variance_steps_through,
 )
 from commopt.optim.zero_one_schedule import ZeroOneSchedule
-from commopt.optim.zero_one_sync import (
-    ZeroOneSync,
-    commit_staged_sync,
-    sync_bucket_,
-    warn_diverged,
-)
-from commopt.step_guard import guarded_denominator, guarded_elements, step_bound
+from commopt.step_guard import bound_step_, guarded_elements, step_bound
 
 __all__ = ["ZeroOneAdam"]
 
 
 @document_schedule
-class ZeroOneAdam(ZeroOneSync, ZeroOneSchedule, CompressedOptimizer):
+class ZeroOneAdam(CompressedOptimizer):
     r"""0/1 Adam (Lu et al., 2023): fewer variance updates, 1-bit gradients, then local steps.
 
     β1, β2 are ``betas``; η is ``lr``; λ is ``weight_decay``; T_v is ``var_freeze_step``; g is
@@ -114,7 +111,7 @@ class ZeroOneAdam(ZeroOneSync, ZeroOneSchedule, CompressedOptimizer):
             gradient is accumulated: a variance step's full-precision average, a 1-bit step's
             exchange of the local gradient, and a sync step's local update and exchange, all
             on staged buffers; ``step()`` waits and commits, or redoes a sync whose lr (or
-            other hyperparameter) changed after backward (:mod:`.zero_one_sync`). Local steps
+            other hyperparameter) changed after backward (:meth:`_stage_sync`). Local steps
             send nothing. Bit-identical to ``overlap=False``. Default False. Needs several
             buckets (``bucket_numel``); the conditions are :class:`OnebitAdam`'s; see
             docs/overlap.md.
@@ -199,14 +196,17 @@ class ZeroOneAdam(ZeroOneSync, ZeroOneSchedule, CompressedOptimizer):
             lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction
         )
         super().__init__(params, defaults, config, backend, topology)
+        self._schedule = self._new_schedule()
         self._set_overlap(overlap, bucket_numel)
-        self.global_state.update(
-            var_interval=1,  # I_v: variance steps are t ≡ 0 (mod I_v)
-            var_counter=0,  # variance steps since I_v last doubled
-            local_interval=1,  # I_l: sync steps are t ≡ 0 (mod I_l) in phase B
-            local_counter=0,  # phase-B steps since I_l last doubled
-            local_started=False,  # phase B entered: errors zeroed, p_sync set
-            lrs=[],  # s, per param group: Σ η over the phase-B steps since the last sync
+
+    def _new_schedule(self) -> ZeroOneSchedule:
+        cfg = self.config
+        return ZeroOneSchedule(
+            self.global_state,
+            self.frozen_after,
+            cfg.var_update_scaler,
+            cfg.local_step_scaler,
+            cfg.local_step_clipper,
         )
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -223,13 +223,17 @@ class ZeroOneAdam(ZeroOneSync, ZeroOneSchedule, CompressedOptimizer):
                 "optimizer of their own"
             )
         super().add_param_group(param_group)
-        # k of v̂ = v/(1 − β2^k) counts this group's variance updates from here on
-        self.param_groups[-1].setdefault("variance_offset", self._variance_updates())
+        # k of v̂ = v/(1 − β2^k) counts this group's variance updates from here on (the
+        # constructor's groups join before the schedule exists: at 0)
+        schedule = self.__dict__.get("_schedule")
+        k = 0 if schedule is None else schedule.variance_updates()
+        self.param_groups[-1].setdefault("variance_offset", k)
 
     def load_state_dict(
         self, state_dict: dict[str, Any], *, allow_config_change: bool = False
     ) -> None:
         super().load_state_dict(state_dict, allow_config_change=allow_config_change)
+        self._schedule = self._new_schedule()  # over the loaded global_state
         for group in self.param_groups:  # saved before bias_correction existed: v used as is
             group.setdefault("bias_correction", False)
             if "variance_offset" not in group:  # the variance steps before it joined
@@ -243,12 +247,15 @@ class ZeroOneAdam(ZeroOneSync, ZeroOneSchedule, CompressedOptimizer):
         else:
             self._phase_b_step(step)
 
+    def _communicates(self, step: int) -> bool:
+        return self._schedule.communicates(step)
+
     def _skip_local(self, step: int) -> None:
-        del step  # this rank's m and p stay; the schedule shared by all ranks advances
-        self._advance_local()
+        # this rank's m and p stay; the schedule shared by all ranks advances
+        self._schedule.advance_local(self._step_sizes(step))
 
     def _phase_a_step(self, step: int) -> None:
-        variance = self._is_variance_step(step)
+        variance = self._schedule.is_variance_step(step)
         for state in self.flat_states:
             m, v = state.flat["exp_avg"], state.flat["exp_avg_sq"]
             if variance:  # 1. a full-precision average updates both moments
@@ -263,9 +270,9 @@ class ZeroOneAdam(ZeroOneSync, ZeroOneSchedule, CompressedOptimizer):
                 beta1, beta2 = group["betas"]
                 sl = seg.slice
                 update_moments_(m[sl], v[sl] if variance else None, g[sl], beta1, beta2)
-            self._adam_update(state, variance)  # 3.
+            self._adam_update(state, step, variance)  # 3.
         if variance:
-            self._advance_variance()
+            self._schedule.advance_variance()
             if auto_settings(self.config.var_freeze_step) is not None:
                 self._observe(step)
 
@@ -290,9 +297,9 @@ class ZeroOneAdam(ZeroOneSync, ZeroOneSchedule, CompressedOptimizer):
 
     def _phase_b_step(self, step: int) -> None:
         gs = self.global_state
-        sync = self._is_sync_step(step)  # before _advance_local may double the interval
-        if sync and commit_staged_sync(self, step):  # overlap: staged during backward
-            self._advance_local()
+        sync = self._schedule.is_sync_step(step)  # before advance_local may double I_l
+        if sync and self._commit_staged_sync(step):  # overlap: staged during backward
+            self._schedule.advance_local(self._step_sizes(step))
             gs["lrs"] = [0.0] * len(self.param_groups)
             return
         if not gs["local_started"]:  # entry: errors now compensate accumulators, not gradients
@@ -308,15 +315,14 @@ class ZeroOneAdam(ZeroOneSync, ZeroOneSchedule, CompressedOptimizer):
             # v is frozen at 0 there, so m/(√v+ε) would be m/ε; m was 0 there (masked at every
             # sync), so zeroing it now is the same as discarding the local gradient
             self._discard_zero_variance(state, m)
-            self._adam_update(state)
-        self._advance_local()  # s now includes this step's η
-        if sync:
+            self._adam_update(state, step)
+        self._schedule.advance_local(self._step_sizes(step))  # s now includes this step's η
+        if sync:  # 2.
             self._sync()
             gs["lrs"] = [0.0] * len(self.param_groups)
 
     def _sync(self) -> None:
         """2. a = C((p − p_sync)⊙(√v+ε)) ⊙ mask; m ← −a/s; p ← p_sync + a/(√v+ε); p_sync ← p.
-
         A bucket whose accumulator is inf/NaN on any rank (a replica diverged since the last
         sync) is refused by the exchange on every rank alike, before any error buffer changes;
         that bucket then returns to its last synced point on every rank (p ← p_sync, m ← 0), so
@@ -327,7 +333,7 @@ class ZeroOneAdam(ZeroOneSync, ZeroOneSchedule, CompressedOptimizer):
             m, p_sync = state.flat["exp_avg"], state.buffer("p_sync")
             acc = state.gather_params(state.scratch("grad")).sub_(p_sync)
             try:
-                sync_bucket_(self, state, acc, m, p_sync, self.global_state["lrs"])
+                self._sync_bucket_(state, acc, m, p_sync, self.global_state["lrs"])
             except NonFiniteError:
                 state.set_params(p_sync)
                 m.zero_()
@@ -337,49 +343,223 @@ class ZeroOneAdam(ZeroOneSync, ZeroOneSchedule, CompressedOptimizer):
             state.gather_params(p_sync)  # p as stored (bf16 parameters round)
         if diverged:
             self.global_state["skipped_steps"] += 1
-            warn_diverged()
+            _warn_diverged()
 
+    def _sync_bucket_(
+        self,
+        state: FlatState,
+        acc: torch.Tensor,
+        m: torch.Tensor,
+        p_sync: torch.Tensor,
+        lrs: list[float],
+        errors: dict[str, torch.Tensor] | None = None,
+    ) -> None:
+        """One bucket's sync, in ``step()`` and staged alike: ``acc`` = p′ − p_sync on entry;
+        a = C(acc⊙(√v̂ + ε)) ⊙ mask (``errors``: the error buffers to use, default the committed
+        ones); m ← −a/s per group (0 where s = 0); acc ← p_sync + a/(√v̂ + ε), each element's
+        move bounded by s·B where the step guard applies. Raises NonFiniteError (every rank
+        alike, no error buffer changed) if acc is non-finite on any rank."""
+        acc.mul_(self._frozen_denominator(state))
+        self._compress(state, acc, errors)
+        self._mask(state, acc)
+        for seg in state.bucket.segments:
+            if lrs[seg.group] > 0:
+                torch.div(acc[seg.slice], -lrs[seg.group], out=m[seg.slice])
+            else:  # η was 0 since the last sync: nothing moved, no momentum to recover
+                m[seg.slice].zero_()
+        acc.div_(self._frozen_denominator(state))
+        for seg, group in self.segments(state):  # s lr-weighted steps of at most B each
+            where = guarded_elements(self.config.step_guard, state, seg)
+            bound = self._bound(group) * lrs[seg.group]
+            if where is not None and lrs[seg.group] > 0 and math.isfinite(bound):
+                bound_step_(acc[seg.slice], bound, where)
+        acc.add_(p_sync)
+
+    # -- the pure math, per bucket -------------------------------------------------------------
     def _frozen_denominator(self, state: FlatState, updated: bool = False) -> torch.Tensor:
         """√v̂ + ε, read-only, kept while v does not change: v̂ = v/(1 − β2^k) with
         ``bias_correction`` (k: the group's variance updates, ``updated``: counting the one of
         this step, not yet in the schedule), else v as it is (SPEC §4)."""
-        k = self._variance_updates() + updated
-        bias_sqrt = [
-            variance_bias_sqrt(g["betas"][1], k - g["variance_offset"], g["bias_correction"])
-            for _, g in self.segments(state)
-        ]
-        return state.denominator(bias_sqrt, self._eps(state))
+        k = self._schedule.variance_updates() + updated
+        bias_sqrt, eps = [], []
+        for _, g in self.segments(state):
+            bias_sqrt.append(
+                variance_bias_sqrt(g["betas"][1], k - g["variance_offset"], g["bias_correction"])
+            )
+            eps.append(g["eps"])
+        return state.denominator(bias_sqrt, eps)
 
-    def _step_size(self, group: dict[str, Any], step: int | None = None) -> float:
-        """η/(1 − β1^t) with ``bias_correction`` (t: steps since the group joined), else η."""
-        t = (self.global_state["step"] if step is None else step) - group["first_step"]
-        return momentum_step_size(group["lr"], group["betas"][0], t, group["bias_correction"])
+    def _step_sizes(self, step: int) -> list[float]:
+        """η/(1 − β1^t) per param group with ``bias_correction`` (t: steps since the group
+        joined), else η."""
+        return [
+            momentum_step_size(g["lr"], g["betas"][0], step - g["first_step"], g["bias_correction"])
+            for g in self.param_groups
+        ]
 
     def _bound(self, group: dict[str, Any]) -> float:
         """B: the step guard's bound on |m̂/(√v̂ + ε)| (:func:`commopt.step_guard.step_bound`)."""
         return step_bound(self.config.step_guard, group["betas"], group["bias_correction"])
 
-    def _eps(self, state: FlatState) -> list[float]:
-        return [group["eps"] for _, group in self.segments(state)]
-
     def _adam_update(
-        self, state: FlatState, updated: bool = False, m=None, target=None, step=None
+        self,
+        state: FlatState,
+        step: int,
+        updated: bool = False,
+        m: torch.Tensor | None = None,
+        target: torch.Tensor | None = None,
     ) -> None:
-        """p ← p − η·(m/(√v̂ + ε) + λ·p), group by group, one ``addcdiv`` each (``updated``:
-        v had its update of this step; a staged sync: staged ``m``, p′ in ``target``)."""
+        """p ← p − η·(m/(√v̂ + ε) + λ·p), group by group, guarded (``updated``: v had its
+        update of this step; a staged sync: staged ``m``, p′ in ``target``)."""
         d = self._frozen_denominator(state, updated)
         m = state.flat["exp_avg"] if m is None else m
+        all_sizes = self._step_sizes(step)
+        step_sizes, limits = [], []
         for seg, group in self.segments(state):
-            lr, step_size = group["lr"], self._step_size(group, step)
-            where = guarded_elements(self.config.step_guard, state, seg)
-            d_seg = d
-            if where is not None:  # |m̂/d| ≤ B there; every other element keeps its bits
-                d_seg = state.scratch("guard")  # the whole bucket: seg.views slices it
-                sl = seg.slice
-                bound = self._bound(group)
-                if step_size != lr:  # (off: B itself, bit for bit)
-                    bound *= lr / step_size
-                guarded_denominator(d_seg[sl], m[sl], d[sl], bound, where)
-            params = seg.params if target is None else seg.views(target)
-            wd = group["weight_decay"]
-            adam_update_(params, seg.views(m), seg.views(d_seg), lr, wd, step_size)
+            lr, step_size = group["lr"], all_sizes[seg.group]
+            bound = self._bound(group)
+            if step_size != lr:  # (off: B itself, bit for bit)
+                bound *= lr / step_size
+            step_sizes.append(step_size)
+            limits.append(bound)
+        segments = self.segments(state)
+        guard = self.config.step_guard
+        guarded_adam_update_(state, segments, m, d, step_sizes, limits, guard, target)
+
+    # -- overlap=True: the sync staged during backward (commopt.optim.early) -------------------
+    # The thread computes the bucket's local update into a staged p′ (never the parameters),
+    # with the hyperparameters as param_groups hold them then, and runs the sync's exchange on
+    # staged error buffers. step() commits it only if what it read is unchanged (an lr scheduler
+    # that stepped between backward and step() makes it run the sync again, synchronously):
+    # the same bits as overlap=False either way. Not detected: a value changed during backward
+    # and changed back before step(), or a tensor hyperparameter changed in place. Memory: the
+    # staged p′ (the staged-gradient buffer, unused in phase B), at the first sync p_sync too.
+    def _early_plan(self) -> _EarlyPlan:
+        return _EarlyPlan(
+            self._schedule, self.frozen_after, self.overlap, self._early_exchange, self._snapshot
+        )
+
+    def _snapshot(self) -> tuple[Any, ...]:
+        """What a staged sync reads besides the buffers: every group's hyperparameters (a
+        tensor by identity), s, the phase flag."""
+        groups = tuple(
+            tuple((k, id(v) if torch.is_tensor(v) else v) for k, v in sorted(g.items()))
+            for g in ({k: v for k, v in g.items() if k != "params"} for g in self.param_groups)
+        )
+        gs = self.global_state
+        return groups, tuple(gs["lrs"]), gs["local_started"]
+
+    @torch.no_grad()  # (grad mode is per thread: the communication thread's too)
+    def _early_exchange(
+        self,
+        state: FlatState,
+        m: torch.Tensor,
+        errors: dict[str, torch.Tensor],
+        step: int,
+        staged: StagedBuffers,
+    ) -> object:
+        """Phase A: the gradient at one bit. A sync step: the bucket's local update and sync
+        on staged buffers, m′ (folded) → m, a staged p′ → p, ``errors`` (staged copies), as
+        ``_phase_b_step`` and ``_sync`` would write them; returns (what it read, diverged)."""
+        if step <= self.frozen_after():
+            self._compress(state, m, errors)
+            return None
+        gs, snapshot = self.global_state, self._snapshot()
+        entry = not gs["local_started"]
+        p = staged.gradient(state)  # the staged p′, then a, then p_sync + a/(√v̂ + ε)
+        state.gather_params(p)
+        if entry:  # phase B starts: p_sync = p, error feedback starts over
+            p_sync = staged.sync_base(state).copy_(p)
+            for e in errors.values():
+                e.zero_()
+        else:
+            p_sync = state.flat["p_sync"]
+        self._zero_variance_guard.apply_(state, m, warn=False)
+        self._adam_update(state, step, m=m, target=p)
+        lrs = list(gs["lrs"]) if not entry else []
+        lrs += [0.0] * (len(self.param_groups) - len(lrs))
+        lrs = [s + eta for s, eta in zip(lrs, self._step_sizes(step), strict=True)]
+        try:
+            self._sync_bucket_(state, p.sub_(p_sync), m, p_sync, lrs, errors)
+        except NonFiniteError:  # on every rank alike: step() returns this bucket to p_sync
+            return snapshot, True
+        return snapshot, False
+
+    def _commit_staged_sync(self, step: int) -> bool:
+        """In ``step()``, before ``_phase_b_step`` changes anything: commit the staged sync of
+        step ``step`` if the hyperparameters it read are unchanged (buckets not staged yet are
+        staged now, in layout order); False: nothing staged, or something changed — the caller
+        runs the sync synchronously (the staged work is dropped when ``step()`` ends)."""
+        work = self._early
+        if not self.overlap or work is None or not work.started_any(step):
+            return False
+        now, states = self._snapshot(), self.flat_states
+        for state in states:
+            st = work.current(state, step)
+            if st is None:
+                continue
+            if (st.outcome is not None and st.outcome[0] != now) or st.seen not in (None, now):
+                return False
+        outcomes = [work.complete(state, step).outcome for state in states]
+        gs = self.global_state
+        entry = not gs["local_started"]
+        diverged = False
+        for state, (_, failed) in zip(states, outcomes, strict=True):
+            if entry:
+                state.reset_comm()
+            if failed:
+                base = work.buffers.sync_base(state) if entry else state.flat["p_sync"]
+                state.set_params(base)
+                if entry:
+                    state.buffer("p_sync").copy_(base)
+                state.flat["exp_avg"].zero_()
+                diverged = True
+                continue
+            state.set_params(work.buffers.gradient(state))
+            state.flat["exp_avg"].copy_(work.buffers.momentum(state))
+            work.buffers.swap_errors_into(state)
+            state.gather_params(state.buffer("p_sync"))  # p as stored
+        if entry:
+            gs["lrs"] = [0.0] * len(self.param_groups)
+            gs["local_started"] = True
+        if diverged:
+            gs["skipped_steps"] += 1
+            _warn_diverged()
+        return True
+
+
+class _EarlyPlan:
+    """0/1 Adam's :class:`~commopt.optim.early.EarlyPlan`: a variance step's average and a
+    1-bit step's gradient exchange may start during backward (DDP hook or overlap); with
+    ``overlap=True`` also a sync step, staged. Local steps send nothing; the DDP hook leaves
+    syncs to ``step()`` (docs/ddp.md)."""
+
+    fold_missing_as_zero = False
+
+    def __init__(
+        self,
+        schedule: ZeroOneSchedule,
+        frozen_after: Callable[[], float],
+        overlap: bool,
+        exchange: Callable[..., object],
+        snapshot: Callable[[], object],
+    ) -> None:
+        self._schedule, self._frozen_after, self._overlap = schedule, frozen_after, overlap
+        self.exchange, self.snapshot = exchange, snapshot
+
+    def kind(self, state: FlatState, step: int) -> Kind | None:
+        if self._schedule.is_variance_step(step):
+            return Kind.AVERAGE
+        if step <= self._frozen_after():
+            return Kind.GRADIENT
+        if self._overlap and self._schedule.is_sync_step(step):
+            if all(p.dtype == torch.float32 for p in state.bucket.params):
+                return Kind.SYNC
+        return None
+
+
+def _warn_diverged() -> None:
+    warn_at_caller(
+        "ZeroOneAdam: non-finite parameters at a sync step on at least one rank; every "
+        "rank returns to the last synced parameters there (p = p_sync, m = 0)"
+    )

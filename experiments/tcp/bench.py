@@ -210,7 +210,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         dist.barrier()
         b0, c0 = setup.bytes_sent, setup.collectives
         seconds0 = dict(setup.seconds)
-        thread = getattr(getattr(setup.optimizer, "_hooks", None), "_thread", None)
+        opt = setup.optimizer
+        thread = opt.early_work.thread if getattr(opt, "overlap", False) else None
         busy0 = thread.busy_seconds if thread is not None else 0.0
         rounds0 = _rounds(setup.optimizer)
         step_s, forward_s = [], 0.0

@@ -93,45 +93,6 @@ def test_zero_one_bias(tmp_path):
         assert len(losses) >= 3 and all(map(math.isfinite, losses)), table
 
 
-def test_zero_one_time_weighted(tmp_path):
-    _run(
-        "experiments.beyond.zero_one_time_weighted",
-        tmp_path,
-        "--small",
-        "--steps",
-        "8",
-        "--ranks",
-        "2",
-    )
-    table = (tmp_path / "zero_one_time_weighted.md").read_text()
-    assert table.count("| time-weighted") == 3, table
-
-
-def test_zero_one_gap_demo(tmp_path):
-    variants = "ZeroOneAdam,momentum at one bit,preconditioned 1-bit gradient"
-    small = ("--small", "--steps", "8", "--ranks", "2", "--seeds", "0")
-    _run(
-        "experiments.beyond.zero_one_gap",
-        tmp_path,
-        "--task",
-        "demo",
-        *small,
-        "--variants",
-        variants,
-    )
-    table = (tmp_path / "zero_one_gap_demo.md").read_text()
-    for label in ("Adam", *variants.split(",")):
-        assert all(map(math.isfinite, _losses(table, label))), table
-
-
-def test_zero_one_gap_digits(tmp_path):
-    variants = "fp32 between variance steps,var_update_scaler=32"
-    args = ("--task", "digits", "--steps", "6", "--ranks", "2", "--seeds", "0")
-    _run("experiments.beyond.zero_one_gap", tmp_path, *args, "--variants", variants)
-    table = (tmp_path / "zero_one_gap_digits.md").read_text()
-    assert "| fp32 between variance steps |" in table and "Paired gap to Adam" in table
-
-
 def test_error_feedback_lm(tmp_path):
     small = ("--small", "--steps", "8", "--warmup", "3", "--ranks", "2", "--seeds", "0")
     _run("experiments.beyond.error_feedback_lm", tmp_path, *small)

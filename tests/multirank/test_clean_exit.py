@@ -127,7 +127,7 @@ def test_overlap_script_exits_zero_with_exchanges_in_flight(tmp_path):
     ).replace(
         "commopt.shutdown()",
         "loss = model(loader[0]).mean(); loss.backward()  # exchanges start; no step()\n"
-        "assert opt._hooks.thread._thread.is_alive()",
+        "assert opt.early_work.thread._thread.is_alive()",
     )
     assert "overlap=True" in script
     _assert_every_run_exits_zero(_run(tmp_path, script, 10), 10)

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import torch
 
-import commopt.optim.early as early
+import commopt.optim.early._work as early
 from commopt.comm import TorchBackend
 from tests.device_matrix import check_matrix, run_matrix
 from tests.multirank.harness import run_ranks

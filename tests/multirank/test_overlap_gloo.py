@@ -421,7 +421,7 @@ def _failing(backend, fail_step: int, bad_rank: int | None):
         except _Broken as err:
             seen.append(str(err))
             opt.global_state["step"] += 1  # as a user who skips the batch would
-    return seen, opt.early_work._thread.idle
+    return seen, opt.early_work.thread.idle
 
 
 def test_overlap_thread_error_surfaces_in_step():

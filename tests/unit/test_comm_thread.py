@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from commopt.optim.comm_thread import CommThread
+from commopt.optim.early import CommThread
 
 
 def test_jobs_run_in_ticket_order_not_submission_order():
@@ -130,7 +130,7 @@ def test_optimizer_finalizer_stops_its_thread():
         opt.zero_grad()
         (w**2).sum().backward()
         opt.step()
-    os_thread = opt._hooks.thread._thread
+    os_thread = opt.early_work.thread._thread
     assert os_thread is not None and os_thread.is_alive()
     del opt
     gc.collect()

@@ -1,14 +1,13 @@
 r"""``overlap=True``: the staged early work's jobs on the communication thread, in a fixed order.
 
-With ``overlap=True`` (:mod:`commopt.optim.overlap`) the staged work of
-:mod:`commopt.optim.early` starts from per-parameter gradient hooks instead of DDP, and the
-averages and exchanges run on the optimizer's communication thread
-(:mod:`commopt.optim.comm_thread`) in a fixed exchange order: each backward pass is a *round* of
-tickets, one per bucket at its position in that order, and a second synced pass before
-``step()`` opens a new round (the bucket's earlier job is waited for before its staged buffers
-are written again). ``step()`` drains the thread first (:meth:`ExchangeSchedule.drain`). The
-thread adds no buffers: only one exchange runs at a time, with the synchronous exchange's
-temporaries.
+With ``overlap=True`` the staged work of :mod:`commopt.optim.early` starts from per-parameter
+gradient hooks instead of DDP, and the averages and exchanges run on the optimizer's
+communication thread (:class:`~commopt.optim.early.CommThread`) in a fixed exchange order: each
+backward pass is a *round* of tickets, one per bucket at its position in that order, and a
+second synced pass before ``step()`` opens a new round (the bucket's earlier job is waited for
+before its staged buffers are written again). ``step()`` drains the thread first
+(:meth:`ExchangeSchedule.drain`). The thread adds no buffers: only one exchange runs at a time,
+with the synchronous exchange's temporaries.
 
 The order starts as the reverse of the layout (backward's usual order) and, after the first
 overlapped step, becomes the order in which the buckets completed on rank 0
@@ -24,7 +23,7 @@ import torch
 
 if TYPE_CHECKING:
     from commopt.comm import Backend
-    from commopt.optim.comm_thread import CommThread
+    from commopt.optim.early._thread import CommThread
     from commopt.optim.flat_state import FlatState
 
 __all__ = ["ExchangeSchedule"]
@@ -34,8 +33,8 @@ class ExchangeSchedule:
     """Rounds of tickets on the communication thread, one per optimizer bucket, in exchange
     order; owns the order and the open round (see the module docstring)."""
 
-    def __init__(self, thread: Callable[[], CommThread]) -> None:
-        self._thread_of = thread  # the optimizer's thread, started on first use
+    def __init__(self, thread: CommThread | None) -> None:
+        self._thread = thread  # the optimizer's (its OS thread starts at the first job)
         self._layout: list[FlatState] = []
         self.round = 0  # backward passes whose tickets were reserved (a round each)
         self._base: int | None = None  # first ticket of the open round (None: none reserved)
@@ -46,7 +45,9 @@ class ExchangeSchedule:
 
     @property
     def thread(self) -> CommThread:
-        return self._thread_of()
+        if self._thread is None:
+            raise RuntimeError("ExchangeSchedule: no communication thread (overlap=False)")
+        return self._thread
 
     def new_layout(self, layout: list[FlatState]) -> None:
         """Buckets laid out anew: start over from the reverse layout order."""

@@ -1,11 +1,11 @@
 r"""One thread per optimizer that runs a step's collectives in a fixed order, beside backward.
 
-``overlap=True`` (:mod:`commopt.optim.overlap`) hands each optimizer bucket's exchange to this
-thread as soon as the bucket's last gradient has been folded, and backward goes on on the main
-thread. The thread is the only place the step's collectives run until ``step()`` has drained
-it, so the order of collectives on one rank is the order of the thread's *tickets*, and that
-order must be the same on every rank (gloo and MPI pair collectives by their position in each
-rank's sequence).
+``overlap=True`` (:class:`~commopt.optim.early.GradientHooks`) hands each optimizer bucket's
+exchange to this thread as soon as the bucket's last gradient has been folded, and backward
+goes on on the main thread. The thread is the only place the step's collectives run until
+``step()`` has drained it, so the order of collectives on one rank is the order of the thread's
+*tickets*, and that order must be the same on every rank (gloo and MPI pair collectives by
+their position in each rank's sequence).
 
 Tickets. The main thread reserves a contiguous run of tickets per backward pass (one per
 optimizer bucket, numbered by the bucket's position in the exchange order) and fills each with

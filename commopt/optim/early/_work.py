@@ -1,69 +1,28 @@
-r"""Work on a bucket that starts before ``step()``, staged until every rank accepts the step.
-
-A DDP communication hook (:mod:`commopt.ddp`) runs while backward is still going, once per DDP
-bucket, and can start an optimizer bucket's communication there. But a step may still be
-skipped afterwards: a non-finite gradient on any rank skips it on every rank, with every
-buffer untouched, and that verdict exists only in ``step()``. So nothing started early may
-change the optimizer's state; it is *staged*, and ``step()`` commits or drops it.
-
-Two kinds of early work, named by the algorithm for each bucket and step
-(``CompressedOptimizer._early_kind``):
-
-- :data:`AVERAGE`: the step averages the gradient at full precision (1-bit Adam's warmup). The
-  hook copies the gradients into a *staged gradient* laid out like the optimizer bucket and
-  starts its average as soon as the bucket is complete (:meth:`EarlyWork.average`); the DDP
-  bucket receives the averaged values, so they become ``p.grad``, and ``step()`` only has to
-  know not to average them again (:meth:`EarlyWork.averaged`). An average of ``p.grad`` is
-  nothing ``step()`` could still undo, so nothing else is staged.
-- :data:`MOMENTUM`: the step folds this rank's gradient into the momentum and averages the
-  momentum at one bit (1-bit Adam's compression stage). The hook computes
-  m' = β1·m + (1−β1)·g from the committed m into a *staged momentum* m', and once every
-  parameter of the optimizer bucket is folded, runs the compressed exchange on m' with *staged
-  error buffers* (copies of e and f). ``step()`` copies m' into m and swaps the staged error
-  buffers in (:meth:`EarlyWork.take_momentum`), or drops everything when the step is skipped.
-  1-bit LAMB's compression stage is the same fold, its exchange scaled by σ around it
-  (``_early_exchange``).
-- :data:`GRADIENT`: the step exchanges this rank's gradient at one bit (0/1 Adam's 1-bit
-  steps). The hook copies g into the same staged buffer as a momentum and exchanges it once
-  the bucket is complete, on staged error buffers; ``step()`` takes the exchanged gradient
-  (:meth:`EarlyWork.take_gradient`) and swaps the staged error buffers in.
-
-The exchange always runs on the optimizer's own buckets, never on DDP's: the compressed
-average of a buffer depends on its layout (one scale per buffer, server chunks), so working
-on the optimizer's layout makes the result bit-identical to the standalone optimizer however
-DDP groups the parameters, and keeps the error buffers where they always were (the
-optimizer's ``state_dict()``).
-
-With ``overlap=True`` (:mod:`commopt.optim.overlap`) the same staged work starts from
-per-parameter gradient hooks instead of DDP, and its averages and exchanges run on the
-optimizer's communication thread in a fixed exchange order
-(:class:`~commopt.optim.exchange_schedule.ExchangeSchedule`). What is staged, and what it costs
-in memory: :mod:`commopt.optim.staged`.
-"""
+"""The staged early work of one optimizer (overview: :mod:`commopt.optim.early`)."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from commopt.comm import all_reduce_async
 from commopt.comm.handoff import device_future
 from commopt.compressed import NonFiniteError
-from commopt.optim.early_kind import Kind
-from commopt.optim.early_reads import EarlyReads
-from commopt.optim.exchange_schedule import ExchangeSchedule
+from commopt.optim.early._order import ExchangeSchedule
+from commopt.optim.early._plan import EarlyPlan, Kind
+from commopt.optim.early._reads import EarlyReads
+from commopt.optim.early._staged import StagedBuffers, StagedWork, fold_param_
 from commopt.optim.flat_state import FlatState
-from commopt.optim.staged import StagedBuffers, StagedWork
-from commopt.optim.staged_fold import fold_param_
 
 if TYPE_CHECKING:
-    from commopt.optim.base import CompressedOptimizer
-    from commopt.optim.comm_thread import CommThread
+    from commopt.optim.communication import Communication
+    from commopt.optim.early._thread import CommThread
 
-__all__ = ["AVERAGE", "GRADIENT", "MOMENTUM", "EarlyWork"]
+__all__ = ["EarlyWork"]
 
 AVERAGE, MOMENTUM, GRADIENT = Kind.AVERAGE, Kind.MOMENTUM, Kind.GRADIENT
 
@@ -71,8 +30,23 @@ AVERAGE, MOMENTUM, GRADIENT = Kind.AVERAGE, Kind.MOMENTUM, Kind.GRADIENT
 class EarlyWork:
     """The staged early work of one optimizer (see the module docstring)."""
 
-    def __init__(self, optimizer: CompressedOptimizer) -> None:
-        self._opt = optimizer
+    def __init__(
+        self,
+        layout: Callable[[], list[FlatState]],
+        groups: Callable[[], list[dict[str, Any]]],
+        next_step: Callable[[], int],
+        comm: Communication,
+        plan: EarlyPlan,
+        thread: CommThread | None = None,
+    ) -> None:
+        """``layout``, ``groups``, ``next_step``: the optimizer's buckets, param groups and next
+        step, as they are now; ``comm``: its backend and round counters; ``plan``: its
+        algorithm's side; ``thread`` (``overlap=True``): where the collectives run, in
+        exchange order (None: they run where the work starts: the DDP hook)."""
+        self._states_of, self._groups_of, self._next_step = layout, groups, next_step
+        self._comm, self._plan = comm, plan
+        #: overlap: the work starts from gradient hooks, its collectives on ``thread``
+        self.threaded = thread is not None
         self._layout: list[FlatState] | None = None
         self._where: dict[int, tuple[FlatState, int]] = {}  # id(param) → (bucket, index)
         self._staged: dict[int, StagedWork] = {}  # id(FlatState) → this step's work
@@ -84,7 +58,7 @@ class EarlyWork:
         #: the work is left to step() (:meth:`decline`)
         self.declined = False
         # overlap=True: the jobs on the communication thread, in exchange order
-        self._schedule = ExchangeSchedule(lambda: optimizer._hooks.thread)
+        self._schedule = ExchangeSchedule(thread)
 
     # -- where a parameter lives ----------------------------------------------------------------
     def locate(self, p: torch.Tensor) -> tuple[FlatState, int] | None:
@@ -93,7 +67,7 @@ class EarlyWork:
         return self._where.get(id(p))
 
     def _follow_layout(self) -> None:
-        states = self._opt.flat_states
+        states = self._states_of()
         if states is not self._layout:  # laid out anew (first use, new group, loaded state)
             self.drain()  # nothing of the old layout may still be in flight
             self._layout = states
@@ -106,7 +80,7 @@ class EarlyWork:
 
     def next_step(self) -> int:
         """The step the work is for: the optimizer's next ``step()``."""
-        return self._opt.global_state["step"] + 1
+        return self._next_step()
 
     def plan(self, params: Sequence[torch.Tensor]) -> list[Kind | None]:
         """Per parameter: :data:`AVERAGE` (average its gradient now: its step does so, or this
@@ -116,8 +90,8 @@ class EarlyWork:
         kinds: list[Kind | None] = []
         for p in params:
             where = self.locate(p)
-            kind = AVERAGE if where is None else self._opt._early_kind(where[0], step)
-            if self.declined and (self._opt._overlap or kind != AVERAGE):
+            kind = AVERAGE if where is None else self._plan.kind(where[0], step)
+            if self.declined and (self.threaded or kind != AVERAGE):
                 kind = None  # what it read kept changing after backward: step() does it
             kinds.append(kind)
         return kinds
@@ -139,7 +113,8 @@ class EarlyWork:
 
     # -- overlap: the communication thread, in a fixed exchange order ---------------------------
     @property
-    def _thread(self) -> CommThread:
+    def thread(self) -> CommThread:
+        """The communication thread the collectives run on (``overlap=True``)."""
         return self._schedule.thread
 
     def _restart(self, st: StagedWork, seen: set[int], i: int) -> None:
@@ -164,7 +139,7 @@ class EarlyWork:
         cancel: Callable[[BaseException], None] | None = None,
     ) -> None:
         """Queue the bucket's job at its position of the open round, on the thread's own
-        channel (opened when the optimizer was built: ``BackwardWork._start_overlap``)."""
+        channel (opened when the optimizer was built)."""
         st.ticket = self._schedule.submit(state, job, cancel)
 
     def drain(self, agree: bool = False) -> None:
@@ -174,11 +149,11 @@ class EarlyWork:
         (``agree``) the ranks first agree that they started the same exchanges, else fill in
         the missing ones and set :attr:`mismatch`: the step is then redone as ``overlap=False``
         would (:meth:`ExchangeSchedule.agree`)."""
-        if not self._opt._overlap:
+        if not self.threaded:
             return
         if agree:
             self._follow_layout()  # even where no backward pass has set it up yet
-            if self._schedule.agree(self._opt.backend, self._fill):
+            if self._schedule.agree(self._comm.backend, self._fill):
                 self.mismatch = (
                     "the ranks' backward passes differ (a rank skipped backward or left a "
                     "parameter unused)"
@@ -190,35 +165,36 @@ class EarlyWork:
         zeroed staged buffers; whatever it computes is dropped with the redone step."""
         state = (self._layout or [])[b]
         st = self._staged_for(state)
-        if self._opt._early_kind(state, st.step) == AVERAGE:
+        if self._plan.kind(state, st.step) == AVERAGE:
             st.arrived.clear()
             self._buffers.gradient(state).zero_()
             st.future = device_future(state.bucket.device)
             self._start_average(state, st, threaded=True)
             return
         self._buffers.momentum(state).zero_()
-        st.seen = self._opt._hyperparameters()
+        st.seen = self._plan.snapshot()
         self._submit(state, st, functools.partial(self._exchange, state, st))
 
     def settle(self) -> None:
         """Wait until the thread has run every job it can run now (not those behind a ticket
         still open) — for reading counters mid-step."""
-        if self._opt._overlap:
+        if self.threaded:
             self._schedule.settle()
 
     def fix_order(self) -> None:
         """After the first overlapped step: exchange buckets in the order they completed,
         rank 0's order on every rank (one broadcast, once), then the rest in reverse layout
         order. Collective; every rank calls it from ``step()`` after the same-model check."""
-        if self._opt._overlap and self._layout is not None:
-            self._schedule.fix_order(self._opt.backend)
+        if self.threaded and self._layout is not None:
+            self._schedule.fix_order(self._comm.backend)
 
     @property
     def exchange_order(self) -> list[int]:
         """Bucket indices in the order their exchanges run (overlap)."""
         return self._schedule.exchange_order
 
-    def _current(self, state: FlatState, step: int) -> StagedWork | None:
+    def current(self, state: FlatState, step: int) -> StagedWork | None:
+        """The bucket's staged work for step ``step``, if any."""
         st = self._staged.get(id(state))
         return st if st is not None and st.step == step else None
 
@@ -259,7 +235,7 @@ class EarlyWork:
             start, numel = state.bucket.offsets[i], p.numel()
             buf[start : start + numel].copy_(g.reshape(-1))
             if threaded:
-                self.reads.note(p, g, st.step, self._opt.param_groups)
+                self.reads.note(p, g, st.step, self._groups_of())
             st.arrived.add(i)
             touched.setdefault(id(state), (state, st, []))[2].append((k, start, numel))
         starting = [(s, st) for s, st, _ in touched.values()]
@@ -277,8 +253,6 @@ class EarlyWork:
         return [(st.future, spans) for _, st, spans in touched.values()]  # type: ignore[misc]
 
     def _start_average(self, state: FlatState, st: StagedWork, threaded: bool = False) -> None:
-        from commopt.comm import all_reduce_async  # no import cycle at module load
-
         buf = self._buffers.gradient(state)
         for i, p in enumerate(state.bucket.params):
             if i not in st.arrived:  # not in the DDP model: zero here, averaged by step()
@@ -288,9 +262,9 @@ class EarlyWork:
         placeholder = st.future
         if placeholder is None:  # pragma: no cover - average() always sets it first
             raise RuntimeError("EarlyWork: no future to complete")
-        backend = self._opt.backend
+        backend = self._comm.backend
         if backend.world_size > 1:
-            self._opt._rounds["full"] += 1
+            self._comm.rounds["full"] += 1
         if threaded:  # on the thread, in order; the same arithmetic as below
 
             def job() -> None:
@@ -324,7 +298,7 @@ class EarlyWork:
                 raise RuntimeError("fold: the parameter does not belong to this optimizer")
             state, i = where
             st = self._staged_for(state)
-            if self._opt._early_kind(state, st.step) == MOMENTUM:
+            if self._plan.kind(state, st.step) == MOMENTUM:
                 self._buffers.drop_gradient(state)  # no later step averages this bucket again
             if threaded:
                 self._restart(st, st.folded, i)
@@ -333,28 +307,30 @@ class EarlyWork:
                 st.exchanged = st.failed = False
             self._fold_one(state, i, g, st.step)
             if threaded and g is not None:
-                self.reads.note(p, g, st.step, self._opt.param_groups)
+                self.reads.note(p, g, st.step, self._groups_of())
             elif g is not None:  # the DDP hook: p.grad is written when backward ends
-                self.reads.expect(p, st.step, self._opt.param_groups)
+                self.reads.expect(p, st.step, self._groups_of())
             st.folded.add(i)
             if len(st.folded) == len(state.bucket.params):
                 complete.append((state, st))
         for state, st in complete:
             if threaded:
-                st.seen = self._opt._hyperparameters()  # on the main thread, during backward
+                st.seen = self._plan.snapshot()  # on the main thread, during backward
                 self._submit(state, st, functools.partial(self._exchange, state, st))
             else:
                 self._exchange(state, st)
 
     def _fold_one(self, state: FlatState, i: int, g: torch.Tensor | None, step: int) -> None:
-        """One parameter into the staged momentum, as ``step()`` would (:mod:`.staged_fold`)."""
-        gradient = self._opt._early_kind(state, step) == GRADIENT
-        fold_param_(self._opt, state, i, g, self._buffers.momentum(state), gradient)
+        """One parameter into the staged momentum, as ``step()`` would (:func:`fold_param_`)."""
+        gradient = self._plan.kind(state, step) == GRADIENT
+        staged, missing_as_zero = self._buffers.momentum(state), self._plan.fold_missing_as_zero
+        fold_param_(state, i, g, staged, self._groups_of(), gradient, missing_as_zero)
 
     def _exchange(self, state: FlatState, st: StagedWork) -> None:
         errors = self._buffers.errors_from(state)
         try:
-            self._opt._early_exchange(state, self._buffers.momentum(state), errors, st.step)
+            m = self._buffers.momentum(state)
+            st.outcome = self._plan.exchange(state, m, errors, st.step, self._buffers)
         except NonFiniteError:  # raised on every rank alike: the step will be skipped
             st.failed = True
         st.exchanged = True
@@ -363,7 +339,7 @@ class EarlyWork:
     def averaged(self, state: FlatState, step: int) -> set[int]:
         """Indices of the bucket's parameters whose gradient is already the average (step
         ``step``)."""
-        st = self._current(state, step)
+        st = self.current(state, step)
         return st.averaged if st is not None else set()
 
     def failed(self, step: int) -> bool:
@@ -375,21 +351,34 @@ class EarlyWork:
         """Whether gradients were used before ``step()`` for step ``step``: folded into a
         staged momentum (DDP hook or overlap), or averaged into a staged gradient that
         ``step()`` reads instead of ``p.grad`` (overlap)."""
-        overlap = self._opt._overlap
+        overlap = self.threaded
         return any(
             st.folded or (overlap and st.averaged)
             for st in self._staged.values()
             if st.step == step
         )
 
-    def averaged_gradient(self, state: FlatState, step: int) -> torch.Tensor | None:
-        """The bucket's staged gradient once its average is complete (waited for), if every
-        parameter's gradient went into it; else None."""
-        st = self._current(state, step)
-        if st is None or len(st.averaged) != len(state.bucket.params) or st.future is None:
-            return None
-        st.future.wait()
-        return self._buffers.gradient(state)
+    def averaged_grads(self, state: FlatState, step: int, out: torch.Tensor) -> torch.Tensor:
+        """``out`` ← the bucket's gradients averaged over all ranks at full precision, flat:
+        the staged average where overlap made one of all of them (waited for), else from
+        ``p.grad``, averaging only those a DDP hook has not averaged already."""
+        st = self.current(state, step)
+        every = st is not None and len(st.averaged) == len(state.bucket.params)
+        if self.threaded and every and st.future is not None:  # p.grad is local
+            st.future.wait()
+            return out.copy_(self._buffers.gradient(state))
+        state.gather_grads(out)
+        done = self.averaged(state, step)
+        if len(done) == len(state.bucket.params):
+            return out
+        self._comm.average(out)
+        for i in done:  # a bucket partly outside the DDP model: restore what was averaged
+            p, start = state.bucket.params[i], state.bucket.offsets[i]
+            if p.grad is None:  # (set to None after backward: 0, as gather_grads)
+                out[start : start + p.numel()].zero_()
+            else:
+                out[start : start + p.numel()].copy_(p.grad.reshape(-1))
+        return out
 
     def take_momentum(self, state: FlatState, step: int) -> bool:
         """Commit the bucket's exchanged momentum for step ``step`` into ``exp_avg`` and its
@@ -409,15 +398,31 @@ class EarlyWork:
         :meth:`take_momentum`."""
         return self._take(state, step)
 
-    def _take(self, state: FlatState, step: int) -> torch.Tensor | None:
-        st = self._current(state, step)
-        if st is None or not st.folded:
-            return None
+    @property
+    def buffers(self) -> StagedBuffers:
+        """What the work writes, per bucket (a plan's exchange writes there too)."""
+        return self._buffers
+
+    def complete(self, state: FlatState, step: int) -> StagedWork:
+        """The bucket's work for step ``step``, finished inside ``step()`` where backward left
+        it incomplete: the parameters not folded yet are folded from ``p.grad``, and the
+        plan's exchange runs (0/1 Adam's staged syncs, in layout order)."""
+        st = self.current(state, step)
+        if st is None:  # (the optimizer's step is already ``step``: not ``_staged_for``)
+            st = self._staged[id(state)] = StagedWork(step, 0)
         if not st.exchanged:
             for i, p in enumerate(state.bucket.params):
                 if i not in st.folded:
                     self._fold_one(state, i, p.grad, step)
+            st.folded = set(range(len(state.bucket.params)))
             self._exchange(state, st)
+        return st
+
+    def _take(self, state: FlatState, step: int) -> torch.Tensor | None:
+        st = self.current(state, step)
+        if st is None or not st.folded:
+            return None
+        self.complete(state, step)
         if st.failed:
             raise NonFiniteError([])
         self._buffers.swap_errors_into(state)

@@ -1,0 +1,64 @@
+"""What an algorithm tells its early work: the :class:`Kind` of a bucket's next step, and how
+to exchange it (the :class:`EarlyPlan` protocol)."""
+
+from __future__ import annotations
+
+import enum
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    import torch
+
+    from commopt.optim.early._staged import StagedBuffers
+    from commopt.optim.flat_state import FlatState
+
+__all__ = ["EarlyPlan", "Kind"]
+
+
+class Kind(str, enum.Enum):
+    """The kinds of early work (a ``str`` enum: each member equals its value)."""
+
+    #: the step averages the gradient at full precision; the hook may do it
+    AVERAGE = "average"
+    #: the step folds the local gradient into the momentum and exchanges the momentum at 1 bit
+    MOMENTUM = "momentum"
+    #: the step exchanges this rank's gradient at one bit; the hook may do it on a staged copy
+    GRADIENT = "gradient"
+    #: 0/1 Adam's phase-B sync, staged during backward (``overlap=True`` only)
+    SYNC = "sync"
+
+
+class EarlyPlan(Protocol):
+    """An algorithm's side of the early work, implemented beside the algorithm.
+
+    The early work owns the staged buffers and when things run; the plan owns what they
+    mean. Nothing the plan returns may depend on anything but the committed state and the
+    arguments: every rank must plan alike.
+    """
+
+    #: a parameter without a gradient folds as g = 0 through ``lerp`` (True), or as m·β1
+    fold_missing_as_zero: bool
+
+    def kind(self, state: FlatState, step: int) -> Kind | None:
+        """What of step ``step`` may start during backward for this bucket; None: nothing
+        (``step()`` communicates, or nothing is sent)."""
+        ...
+
+    def exchange(
+        self,
+        state: FlatState,
+        m: torch.Tensor,
+        errors: dict[str, torch.Tensor],
+        step: int,
+        staged: StagedBuffers,
+    ) -> object:
+        """The exchange of step ``step`` on the bucket's staged m′ (in place), with the staged
+        error buffers ``errors``: what ``step()`` would run on m′. May raise
+        :class:`~commopt.compressed.NonFiniteError` (on every rank alike). What it returns is
+        kept with the bucket's staged work (:attr:`StagedWork.outcome`)."""
+        ...
+
+    def snapshot(self) -> object:
+        """What staged work reads from the hyperparameters, taken on the main thread when a
+        bucket's job is queued (compared in ``step()``); None: nothing."""
+        ...
