@@ -11,10 +11,10 @@ from commopt.comm import Backend, MixedBackend, MpiBackend, SingleProcessBackend
 from commopt.compressed import NonFiniteError, compressed_allreduce, padded_size
 from commopt.deepspeed_compat import from_deepspeed_config, to_deepspeed_config
 from commopt.faults import CollectiveError, watch
-from commopt.freeze import AutoFreezeSettings
 from commopt.launch import broadcast_parameters, discover_launch, init, shutdown
 from commopt.monitor import log_comm_stats
 from commopt.optim import OnebitAdam, OnebitLamb, ZeroOneAdam
+from commopt.optim.freeze import AutoFreezeSettings
 
 __all__ = [
     "AutoFreezeSettings",

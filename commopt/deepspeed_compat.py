@@ -39,7 +39,7 @@ from commopt.deepspeed_keys import (
     SPECS,
     checked,
 )
-from commopt.freeze import auto_settings
+from commopt.optim.freeze import auto_settings
 
 __all__ = [
     "DeepSpeedConfigWarning",

@@ -30,7 +30,7 @@ from commopt.comm import (
 )
 from commopt.comm.env import MPI_LAUNCHERS, LaunchInfo, discover_launch, launched_by_mpi
 from commopt.faults import close_watchdogs, watch
-from commopt.optim.agreement import check_same_model
+from commopt.optim._agreement import check_same_model
 
 __all__ = [
     "LaunchInfo",

@@ -54,7 +54,7 @@ def available_backends() -> dict[str, Backend]:
     """
     import torch.distributed as dist
 
-    from commopt.comm import get_default_backend
+    from commopt.comm.default import get_default_backend
     from commopt.comm.env import launched_by_mpi
     from commopt.comm.mpi_backend import MpiBackend
     from commopt.comm.torch_backend import TorchBackend

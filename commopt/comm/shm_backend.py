@@ -1,6 +1,6 @@
 r"""Collectives through one shared-memory segment, for ranks that share a host.
 
-Meant for the local level of :class:`commopt.hierarchical.HierarchicalExchange` when nothing
+Meant for the local level of :class:`commopt.exchange.HierarchicalExchange` when nothing
 faster is at hand (no NVLink, no shared-memory MPI): the ranks of a node exchange their fp32
 slices by writing into and reading from one ``/dev/shm`` mapping — one copy in, one copy out —
 instead of pushing them through TCP loopback. A *helper* backend over the same ranks (a gloo

@@ -12,7 +12,7 @@ A kernel set implements four functions (SPEC §1; N padded length, M = N/n the s
   bits = pack(c_s ≥ 0); f ← c_s − t·sgn(c_s).
 - ``unpack_scaled_(bits[n, M/8], scales[n], out)``: out = concat_j t_j·sgn(bits_j)[:L].
 - ``guard_denominator_(out, m, d, bound, where)``: the optimizers' step guard
-  (:mod:`commopt.step_guard`) on the indices ``where``: out[where] = max(d, |m|/bound)[where].
+  (:mod:`commopt.optim.step_guard`) on the indices ``where``: out[where] = max(d, |m|/bound)[where].
 
 Optionally, ``server_stages(f) -> ServerStages``: ``server_reduce_`` cut into stages over
 ranges of the chunk (average each range as its bits arrive, then t over the whole chunk, then
@@ -39,10 +39,10 @@ import contextlib
 import functools
 import warnings
 from collections.abc import Iterator
-from typing import Protocol
 
 import torch
 
+from commopt.kernels.protocol import Kernels, ServerStages
 from commopt.kernels.torch_kernels import TorchKernels
 
 __all__ = [
@@ -74,62 +74,6 @@ _CUDA_FALLBACK = (
     "reference TorchKernels: several extra passes over memory per call (results are the "
     "same). Fix: pip install 'commopt[cuda]' (CuPy for CUDA 12)"
 )
-
-
-class Kernels(Protocol):
-    name: str
-
-    def compensate(
-        self, x: torch.Tensor, worker_error: torch.Tensor, c: torch.Tensor
-    ) -> torch.Tensor: ...
-
-    def pack_worker_(
-        self, c: torch.Tensor, s: torch.Tensor, worker_error: torch.Tensor, bits: torch.Tensor
-    ) -> None: ...
-
-    def scale(self, x: torch.Tensor, worker_error: torch.Tensor) -> torch.Tensor: ...
-
-    def pack_compensated_(
-        self, x: torch.Tensor, s: torch.Tensor, worker_error: torch.Tensor, bits: torch.Tensor
-    ) -> None: ...
-
-    def server_reduce_(
-        self,
-        recv_bits: torch.Tensor,
-        scales: torch.Tensor,
-        server_error: torch.Tensor,
-        bits: torch.Tensor,
-    ) -> torch.Tensor: ...
-
-    def unpack_scaled_(
-        self, bits: torch.Tensor, scales: torch.Tensor, out: torch.Tensor
-    ) -> None: ...
-
-    def guard_denominator_(
-        self,
-        out: torch.Tensor,
-        m: torch.Tensor,
-        d: torch.Tensor,
-        bound: float,
-        where: torch.Tensor,
-    ) -> None: ...
-
-
-class ServerStages(Protocol):
-    """One server chunk f (M elements) reduced in stages; see :class:`Kernels`.
-
-    Call ``average_`` once for every range of f (any order, each range starting at a multiple
-    of ``align``), then ``scale()``, then ``pack_`` over ranges; the result (f, bits, t) equals
-    ``server_reduce_`` on the whole chunk bit for bit.
-    """
-
-    align: int
-
-    def average_(self, recv_bits: torch.Tensor, scales: torch.Tensor, lo: int) -> None: ...
-
-    def scale(self) -> torch.Tensor: ...
-
-    def pack_(self, t: torch.Tensor, lo: int, bits: torch.Tensor) -> None: ...
 
 
 _override: Kernels | None = None

@@ -55,7 +55,7 @@ from commopt.kernels.cupy_runtime import THREADS, CupyRuntime, KernelLauncher, K
 from commopt.kernels.torch_kernels import TorchKernels
 
 if TYPE_CHECKING:
-    from commopt.kernels import ServerStages
+    from commopt.kernels.protocol import ServerStages
 
 __all__ = ["CupyKernels", "CupyServerStages", "server_blocks"]
 

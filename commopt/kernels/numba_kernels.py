@@ -19,7 +19,7 @@ import commopt.kernels.numba_loops as loops
 from commopt.kernels.torch_kernels import TorchKernels
 
 if TYPE_CHECKING:
-    from commopt.kernels import ServerStages
+    from commopt.kernels.protocol import ServerStages
 
 __all__ = ["NumbaKernels"]
 

@@ -4,15 +4,15 @@ The pieces it orchestrates each own their state and live in their own module:
 
 - :class:`~commopt.optim.flat_state.FlatState`, one per bucket: flat fp32 buffers whose views
   are ``state[p][key]``, per-tensor scalars, this rank's exchange buffers, scratch;
-- :class:`~commopt.optim.layout.BucketLayout`: which parameters share a bucket;
-- :class:`~commopt.optim.agreement.GradientAgreement`: the model fingerprint and the per-step
+- :class:`~commopt.optim._layout.BucketLayout`: which parameters share a bucket;
+- :class:`~commopt.optim._agreement.GradientAgreement`: the model fingerprint and the per-step
   gradient verdict, each one small all-reduce so that all ranks raise or skip alike;
-- :class:`~commopt.optim.communication.Communication`: the backend, the exchange, the rounds;
-- :class:`~commopt.freeze.FreezePoint`: the last full-precision step, fixed or automatic;
-- :mod:`~commopt.optim.precision`: fp32 master weights for bf16/fp16 parameters;
-- :mod:`~commopt.optim.adam_math`: the arithmetic, as free functions;
+- :class:`~commopt.optim._communication.Communication`: the backend, the exchange, the rounds;
+- :class:`~commopt.optim.freeze.FreezePoint`: the last full-precision step, fixed or automatic;
+- :mod:`~commopt.optim._precision`: fp32 master weights for bf16/fp16 parameters;
+- :mod:`~commopt.optim._adam`: the arithmetic, as free functions;
 - :mod:`~commopt.exchange`: how a flat buffer is averaged at one bit;
-- :mod:`~commopt.optim.config` and :mod:`~commopt.optim.resume`: the schedule, saved and
+- :mod:`~commopt.optim.config` and :mod:`~commopt.optim._resume`: the schedule, saved and
   checked on resume.
 
 An algorithm subclass names its flat keys and implements ``_step(step)``.
@@ -34,18 +34,17 @@ from commopt.comm import Backend
 from commopt.comm.channels import open_channel
 from commopt.compressed import NonFiniteError
 from commopt.exchange import Exchange
-from commopt.freeze import AutoFreeze, FreezePoint, VarianceLevel
-from commopt.optim.agreement import GradientAgreement, left_untouched
-from commopt.optim.communication import Communication
-from commopt.optim.config import ConfigAttributes
+from commopt.optim._adam import ZeroVarianceGuard, apply_exp_avg_mask_
+from commopt.optim._agreement import GradientAgreement, left_untouched
+from commopt.optim._communication import Communication
+from commopt.optim._layout import BucketLayout
+from commopt.optim._precision import master_weights, unscale_grads_
+from commopt.optim._resume import commopt_entry, keep_state_dtypes, split_commopt_entry
+from commopt.optim._warnings import warn_averaged_already, warn_redone, warn_skipped
+from commopt.optim.config import ConfigAttributes, check_param_group
 from commopt.optim.early import CommThread, EarlyPlan, EarlyWork, GradientHooks
 from commopt.optim.flat_state import FlatState
-from commopt.optim.layout import BucketLayout
-from commopt.optim.param_checks import check_param_group
-from commopt.optim.precision import master_weights, unscale_grads_
-from commopt.optim.resume import commopt_entry, keep_state_dtypes, split_commopt_entry
-from commopt.optim.user_warning import warn_averaged_already, warn_redone, warn_skipped
-from commopt.optim.variance_guard import ZeroVarianceGuard, apply_exp_avg_mask_
+from commopt.optim.freeze import AutoFreeze, FreezePoint, VarianceLevel
 
 __all__ = ["TOPOLOGIES", "CompressedOptimizer"]
 
@@ -69,7 +68,7 @@ class CompressedOptimizer(ConfigAttributes, torch.optim.Optimizer):
     #: compute ``comm_stats()["compression_error"]`` (one dot product per compressed call)
     track_compression_error: bool = True
     #: the config field that may be ``"auto"`` or an AutoFreezeSettings (then
-    #: :class:`commopt.freeze.AutoFreeze` decides)
+    #: :class:`commopt.optim.freeze.AutoFreeze` decides)
     _freeze_field: ClassVar[str] = "freeze_step"
 
     def __init__(
@@ -151,13 +150,13 @@ class CompressedOptimizer(ConfigAttributes, torch.optim.Optimizer):
     @property
     def exchange(self) -> Exchange:
         """How buckets are averaged at one bit: SPEC §1 over :attr:`backend`, or the
-        hierarchical exchange of :mod:`commopt.hierarchical` (``topology``)."""
+        hierarchical exchange of :mod:`commopt.exchange.hierarchical` (``topology``)."""
         return self._comm.exchange
 
-    # -- the freeze point (commopt.freeze.FreezePoint, kept in global_state) -------------------
+    # -- the freeze point (commopt.optim.freeze.FreezePoint, kept in global_state) -------------
     def frozen_after(self) -> float:
         """The last full-precision step: the config's, or with ``"auto"`` the step
-        :class:`~commopt.freeze.AutoFreeze` chose (``math.inf`` until it has chosen)."""
+        :class:`~commopt.optim.freeze.AutoFreeze` chose (``math.inf`` until it has chosen)."""
         return self._freeze.last_full_step()
 
     def _observe_variance(
@@ -392,12 +391,12 @@ class CompressedOptimizer(ConfigAttributes, torch.optim.Optimizer):
 
     def comm_stats(self) -> dict[str, Any]:
         """Traffic of this optimizer's backend plus full-precision vs compressed rounds, and
-        ``compression_error`` (:meth:`~commopt.optim.communication.Communication.stats`)."""
+        ``compression_error`` (:meth:`~commopt.optim._communication.Communication.stats`)."""
         if self._early is not None:  # overlap: count what the thread can finish now
             self._early.settle()
         return self._comm.stats(self.global_state["skipped_steps"], self._layout.states or [])
 
-    # -- checkpoints (commopt.optim.resume) ---------------------------------------------------
+    # -- checkpoints (commopt.optim._resume) ---------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """torch's ``state_dict`` plus ``"commopt"``: the config, the shared schedule state, and
         this rank's exchange buffers with the rank and world size they belong to."""

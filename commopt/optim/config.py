@@ -14,8 +14,10 @@ import dataclasses
 import os
 from typing import Any, TypeVar
 
-from commopt.freeze import AutoFreezeSettings, auto_settings
-from commopt.optim.user_warning import warn_at_caller
+import torch
+
+from commopt.optim._warnings import warn_at_caller
+from commopt.optim.freeze import AutoFreezeSettings, auto_settings
 
 T = TypeVar("T")
 
@@ -100,8 +102,8 @@ _announced: set[tuple[str, str]] = set()
 
 
 def check_freeze_step(name: str, value: int | str | AutoFreezeSettings) -> None:
-    """An int >= 1, ``"auto"`` or an :class:`~commopt.freeze.AutoFreezeSettings` (then
-    :class:`commopt.freeze.AutoFreeze` decides with those constants)."""
+    """An int >= 1, ``"auto"`` or an :class:`~commopt.optim.freeze.AutoFreezeSettings` (then
+    :class:`commopt.optim.freeze.AutoFreeze` decides with those constants)."""
     if auto_settings(value) is not None:
         return
     if isinstance(value, str):
@@ -169,8 +171,8 @@ class OnebitAdamConfig:
         default=100_000, metadata=_AUTO_FREEZE
     )
     """T_w: the last full-precision (warmup) step; the variance is frozen after it (>= 1), or
-    ``"auto"`` / an :class:`~commopt.freeze.AutoFreezeSettings`: decided when the variance has
-    settled (:class:`commopt.freeze.AutoFreeze` with those constants)."""
+    ``"auto"`` / an :class:`~commopt.optim.freeze.AutoFreezeSettings`: decided when the variance has
+    settled (:class:`commopt.optim.freeze.AutoFreeze` with those constants)."""
     error_feedback: str = "classic"
     """The compressed exchange's error feedback: ``"classic"`` (SPEC §1) or ``"econtrol"``."""
     econtrol_eta: float = 0.2
@@ -178,7 +180,7 @@ class OnebitAdamConfig:
     step_guard: bool | str = "tiny"
     """Clamp compression-stage steps |m/(√v+ε)| to Adam's bound B(β1, β2): ``"tiny"`` on the
     elements whose v is < 1 % of their tensor's mean v, ``True`` on every element, ``False``
-    never (:mod:`commopt.step_guard`)."""
+    never (:mod:`commopt.optim.step_guard`)."""
 
     def __post_init__(self) -> None:
         _settle_default_freeze(self, "freeze_step")
@@ -215,7 +217,7 @@ class OnebitLambConfig:
     """η of EControl (ignored by ``"classic"``)."""
     step_guard: bool | str = "tiny"
     """Clamp compression-stage |m/(√v+ε)| to Adam's bound B(β1, β2): ``"tiny"``, ``True`` or
-    ``False`` as for 1-bit Adam (:mod:`commopt.step_guard`)."""
+    ``False`` as for 1-bit Adam (:mod:`commopt.optim.step_guard`)."""
 
     def __post_init__(self) -> None:
         _settle_default_freeze(self, "freeze_step")
@@ -251,7 +253,7 @@ class ZeroOneAdamConfig:
     """η of EControl (ignored by ``"classic"``)."""
     step_guard: bool | str = "tiny"
     """Clamp steps |m/(√v+ε)| to Adam's bound B(β1, β2) in phase A and B: ``"tiny"``, ``True``
-    or ``False`` as for 1-bit Adam (:mod:`commopt.step_guard`)."""
+    or ``False`` as for 1-bit Adam (:mod:`commopt.optim.step_guard`)."""
 
     def __post_init__(self) -> None:
         _settle_default_freeze(self, "var_freeze_step")
@@ -333,3 +335,46 @@ class ConfigAttributes:
                 "allow_config_change=True)"
             )
         super().__setattr__(name, value)
+
+
+def check_param_group(
+    group: dict[str, Any], name: str, config: Any, defaults: dict[str, Any]
+) -> None:
+    """Refuse what the flat fp32 state cannot represent, naming the way out."""
+    for key in dataclasses.asdict(config):
+        if key in group and key not in defaults:
+            raise ValueError(
+                f"{key} is one setting for the whole {name} (its config), "
+                f"not per param group; pass {key}= to the constructor"
+            )
+    for p in group["params"]:
+        if p.is_complex():
+            raise TypeError(
+                f"{name} does not support complex parameters (got {p.dtype}): "
+                "the 1-bit code has no phase; optimize torch.view_as_real(p) instead"
+            )
+        if p.dtype == torch.float64:
+            raise TypeError(
+                f"{name} keeps fp32 state and communicates fp32, so a float64 "
+                "parameter would silently lose precision; convert the model with "
+                ".float() (or use torch.optim.Adam for float64)"
+            )
+        if p.device.type == "meta":
+            raise ValueError(
+                f"{name} got a parameter on the meta device (shape "
+                f"{tuple(p.shape)}): materialise the model (e.g. model.to_empty(device=...) "
+                "and load its weights) before creating the optimizer"
+            )
+    mask = group.get("exp_avg_mask")
+    if mask is None:
+        return
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"exp_avg_mask must be a tensor, got {type(mask).__name__}")
+    for p in group["params"]:
+        try:
+            torch.broadcast_shapes(mask.shape, p.shape)
+        except RuntimeError:
+            raise ValueError(
+                f"exp_avg_mask of shape {tuple(mask.shape)} does not broadcast to a parameter "
+                f"of shape {tuple(p.shape)} in its group"
+            ) from None

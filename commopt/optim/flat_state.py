@@ -19,7 +19,6 @@ from typing import Any
 import torch
 
 from commopt.buckets import Bucket
-from commopt.optim.adam_math import denominator_
 
 __all__ = ["FlatState", "poison_scratch"]
 
@@ -226,7 +225,7 @@ class FlatState:
     def guard_denominator_base(self, d: torch.Tensor) -> torch.Tensor:
         """A bucket-sized buffer that equals the denominator ``d`` (the one :meth:`denominator`
         returned last) except where the step guard writes: the guard then only rewrites its
-        elements (:func:`commopt.step_guard.guarded_denominator` with ``copy=False``).
+        elements (:func:`commopt.optim.step_guard.guarded_denominator` with ``copy=False``).
 
         On CPU it is kept and refilled from d only when d was rebuilt (v, b or ε changed), so
         the compression stage does not copy the whole bucket every step; the guard's elements
@@ -265,3 +264,11 @@ class FlatState:
                     f"saved {key} has {value.numel()} elements, this exchange needs {buf.numel()}"
                 )
             buf.copy_(value)
+
+
+def denominator_(out: torch.Tensor, v: torch.Tensor, bias_sqrt: float, eps: float) -> None:
+    r"""out = √v / b + ε, with b = √(1−β2ᵗ) (1 without bias correction)."""
+    torch.sqrt(v, out=out)
+    if bias_sqrt != 1.0:  # x / 1 == x exactly: skipping it changes no bit
+        out.div_(bias_sqrt)
+    out.add_(eps)

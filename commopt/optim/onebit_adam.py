@@ -9,8 +9,7 @@ from typing import Any
 import torch
 
 from commopt.comm import Backend
-from commopt.freeze import AutoFreezeSettings, VarianceLevel, auto_settings, variance_level
-from commopt.optim.adam_math import guarded_adam_update_, momentum_from_grads_, update_moments_
+from commopt.optim._adam import guarded_adam_update_, momentum_from_grads_, update_moments_
 from commopt.optim.base import CompressedOptimizer
 from commopt.optim.config import (
     DEFAULT_FREEZE_STEP,
@@ -20,7 +19,8 @@ from commopt.optim.config import (
 )
 from commopt.optim.early import Kind
 from commopt.optim.flat_state import FlatState
-from commopt.step_guard import step_bound
+from commopt.optim.freeze import AutoFreezeSettings, VarianceLevel, auto_settings, variance_level
+from commopt.optim.step_guard import step_bound
 
 __all__ = ["OnebitAdam"]
 
@@ -62,11 +62,11 @@ class OnebitAdam(CompressedOptimizer):
         eps: ε added to the denominator (default 1e-8).
         weight_decay: decoupled weight decay λ (default 0).
         freeze_step: T_w, the number of full-precision warmup steps (default 100000, >= 1), or
-            ``"auto"``: freeze once the variance has settled (:class:`commopt.freeze.AutoFreeze`,
-            docs/algorithms/auto_freeze.md); the step chosen is ``global_state
-            ["auto_freeze_step"]``, logged once, saved and restored with the state. A
-            :class:`commopt.AutoFreezeSettings` chooses the rule's constants (min_step,
-            max_step, fraction, threshold); ``"auto"`` is ``AutoFreezeSettings()``.
+            ``"auto"``: freeze once the variance has settled
+            (:class:`commopt.optim.freeze.AutoFreeze`, docs/algorithms/auto_freeze.md); the step
+            chosen is ``global_state["auto_freeze_step"]``, logged once, saved and restored with
+            the state. A :class:`commopt.AutoFreezeSettings` chooses the rule's constants
+            (min_step, max_step, fraction, threshold); ``"auto"`` is ``AutoFreezeSettings()``.
         bias_correction: divide by 1−β^t as Adam does (default True).
         backend: communication backend; ``None`` resolves as SPEC §5 (``commopt.init()``'s).
         topology: ``"flat"`` (SPEC §1 over all ranks, default), ``"hierarchical"`` (full
@@ -94,7 +94,7 @@ class OnebitAdam(CompressedOptimizer):
             demo LM, where every rank sees the same data mix (docs/experiments.md §3).
         econtrol_eta: η of EControl (default 0.2; ignored by ``"classic"``).
         step_guard: clamp compression-stage steps |m̂/(√v̂ + ε)| to the largest step exact
-            Adam can take, B(β1, β2) (:mod:`commopt.step_guard`): ``"tiny"`` (default) on the
+            Adam can take, B(β1, β2) (:mod:`commopt.optim.step_guard`): ``"tiny"`` (default) on the
             elements whose v is below 1 % of their tensor's mean v, ``True`` on every element,
             ``False`` never (the paper's step).
 
@@ -204,7 +204,7 @@ class OnebitAdam(CompressedOptimizer):
     def _apply_update(self, state: FlatState, t: int, freeze_step: float) -> None:
         """p ← p − η·(m̂/(√v̂ + ε) + λ·p), group by group, with v̂'s bias factor frozen too;
         with ``step_guard``, in the compression stage |m̂/(√v̂ + ε)| ≤ B(β1, β2) (on the
-        elements :func:`~commopt.step_guard.guarded_elements` names)."""
+        elements :func:`~commopt.optim.step_guard.guarded_elements` names)."""
         variance_t = min(t, freeze_step)
         bias_sqrt, step_sizes, eps, limits = [], [], [], []
         for _, group in self.segments(state):

@@ -10,8 +10,18 @@ import torch
 
 from commopt.comm import Backend
 from commopt.compressed import NonFiniteError
-from commopt.freeze import AutoFreezeSettings, auto_settings, variance_level
-from commopt.optim.adam_math import update_moments_
+from commopt.optim._adam import update_moments_
+from commopt.optim._lamb import (
+    early_sigma,
+    exchange_scaled_,
+    freeze_scaling_coeffs,
+    lamb_ratio,
+    per_tensor,
+    raise_to_lamb_ratio_,
+    scale_tensors_,
+    tensor_norms,
+    tensor_ranges,
+)
 from commopt.optim.base import CompressedOptimizer
 from commopt.optim.config import (
     DEFAULT_FREEZE_STEP,
@@ -21,10 +31,8 @@ from commopt.optim.config import (
 )
 from commopt.optim.early import Kind
 from commopt.optim.flat_state import FlatState
-from commopt.optim.lamb_scaling import early_sigma, exchange_scaled_, freeze_scaling_coeffs
-from commopt.optim.per_tensor import per_tensor, scale_tensors_, tensor_norms, tensor_ranges
-from commopt.optim.trust_ratio import lamb_ratio, raise_to_lamb_ratio_
-from commopt.step_guard import bound_step_, guarded_elements, step_bound
+from commopt.optim.freeze import AutoFreezeSettings, auto_settings, variance_level
+from commopt.optim.step_guard import bound_step_, guarded_elements, step_bound
 
 __all__ = ["OnebitLamb"]
 
@@ -94,7 +102,7 @@ class OnebitLamb(CompressedOptimizer):
         trust_ratio: ``"max"`` (default): max(c̄_k·f_k, c_k) per tensor with c_k LAMB's own
             ratio clip(‖p_k‖/‖u_k‖, min_coeff, max_coeff) of the update u = m/(√v + ε) + λp
             that every rank already holds after the exchange (no message;
-            :mod:`commopt.optim.trust_ratio`). ``"frozen"``: c̄·f as above, SPEC §3 exactly
+            :mod:`commopt.optim._lamb`). ``"frozen"``: c̄·f as above, SPEC §3 exactly
             (DeepSpeed's rule). ``"tracking"``: c_k alone, recomputed every compression step
             (f and v_f are not used).
         overlap: start each bucket's communication during backward, as soon as its last
@@ -115,13 +123,13 @@ class OnebitLamb(CompressedOptimizer):
             demo LM, where every rank sees the same data mix (docs/experiments.md §3).
         econtrol_eta: η of EControl (default 0.2; ignored by ``"classic"``).
         step_guard: clamp compression-stage |m/(√v + ε)| to B(β1, β2), the largest value exact
-            Adam can take (:mod:`commopt.step_guard`): ``"tiny"`` (default) on the elements
+            Adam can take (:mod:`commopt.optim.step_guard`): ``"tiny"`` (default) on the elements
             whose v is below 1 % of their tensor's mean v, ``True`` on every element, ``False``
             never (the paper's step).
 
     ``freeze_step="auto"`` (or an :class:`commopt.AutoFreezeSettings` with other constants)
     freezes once the bias-corrected variance level has settled
-    (:class:`commopt.freeze.AutoFreeze`); the trust ratio normalises each layer's update, so
+    (:class:`commopt.optim.freeze.AutoFreeze`); the trust ratio normalises each layer's update, so
     the level of the uncorrected v need not have grown to its steady value first.
 
     Tuning: c̄ has no bias correction, so with ``coeff_beta`` = 0.9 it reaches 1 − 0.9^T_w of
@@ -413,7 +421,7 @@ class _EarlyPlan:
         staged: object,
     ) -> None:
         """Steps 3–5 on a staged m′ = β1·m + (1−β1)·g: m′ ← C(m′·σ)/σ, with the σ of
-        :func:`~commopt.optim.lamb_scaling.early_sigma`."""
+        :func:`~commopt.optim._lamb.early_sigma`."""
         del staged
         sigma = early_sigma(self._opt, state, step)
         exchange_scaled_(self._compress, state, m, sigma, errors)

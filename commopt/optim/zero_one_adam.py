@@ -10,8 +10,16 @@ import torch
 
 from commopt.comm import Backend
 from commopt.compressed import NonFiniteError
-from commopt.freeze import AutoFreezeSettings, auto_settings, settled_step, variance_level
-from commopt.optim.adam_math import guarded_adam_update_, momentum_from_grads_, update_moments_
+from commopt.optim._adam import (
+    guarded_adam_update_,
+    momentum_from_grads_,
+    momentum_step_size,
+    update_moments_,
+    variance_bias_sqrt,
+    variance_steps_through,
+)
+from commopt.optim._warnings import warn_at_caller
+from commopt.optim._zero_one_schedule import ZeroOneSchedule
 from commopt.optim.base import CompressedOptimizer
 from commopt.optim.config import (
     DEFAULT_FREEZE_STEP,
@@ -21,14 +29,8 @@ from commopt.optim.config import (
 )
 from commopt.optim.early import Kind, StagedBuffers
 from commopt.optim.flat_state import FlatState
-from commopt.optim.user_warning import warn_at_caller
-from commopt.optim.variance_bias import (
-    momentum_step_size,
-    variance_bias_sqrt,
-    variance_steps_through,
-)
-from commopt.optim.zero_one_schedule import ZeroOneSchedule
-from commopt.step_guard import bound_step_, guarded_elements, step_bound
+from commopt.optim.freeze import AutoFreezeSettings, auto_settings, settled_step, variance_level
+from commopt.optim.step_guard import bound_step_, guarded_elements, step_bound
 
 __all__ = ["ZeroOneAdam"]
 
@@ -84,9 +86,9 @@ class ZeroOneAdam(CompressedOptimizer):
         weight_decay: decoupled weight decay λ (default 0).
         var_freeze_step: T_v, the last step of phase A (default 100000, >= 1), or ``"auto"``:
             phase A ends on the variance step at which the variance has settled
-            (:class:`commopt.freeze.AutoFreeze` on the bias-corrected level; with
+            (:class:`commopt.optim.freeze.AutoFreeze` on the bias-corrected level; with
             ``bias_correction=False`` also not before the uncorrected v has grown to within the
-            threshold of its level, which takes :func:`commopt.freeze.settled_step` variance
+            threshold of its level, which takes :func:`commopt.optim.freeze.settled_step` variance
             updates: ≈ 2.3/(1 − β2));
             the step chosen is ``global_state["auto_freeze_step"]``. A
             :class:`commopt.AutoFreezeSettings` chooses the rule's constants (its threshold
@@ -398,7 +400,7 @@ class ZeroOneAdam(CompressedOptimizer):
         ]
 
     def _bound(self, group: dict[str, Any]) -> float:
-        """B: the step guard's bound on |m̂/(√v̂ + ε)| (:func:`commopt.step_guard.step_bound`)."""
+        """B: the step guard's bound on |m̂/(√v̂ + ε)| (``step_guard.step_bound``)."""
         return step_bound(self.config.step_guard, group["betas"], group["bias_correction"])
 
     def _adam_update(

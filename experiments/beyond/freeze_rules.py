@@ -47,7 +47,7 @@ import sys
 from typing import Any
 
 import commopt
-from commopt.freeze import VarianceLevel
+from commopt.optim.freeze import VarianceLevel
 from experiments.beyond.common import run_variants
 from experiments.convergence.run import DEFAULTS
 
@@ -121,7 +121,7 @@ def slope(w: list[tuple[int, float]]) -> tuple[float, float]:
 
 
 class LogRange(Rule):
-    """Today's rule: R_t ≤ τ (commopt.freeze.AutoFreeze)."""
+    """Today's rule: R_t ≤ τ (commopt.optim.freeze.AutoFreeze)."""
 
     def __init__(self, tau: float = 0.05) -> None:
         super().__init__()

@@ -5,7 +5,7 @@ L ranks, times these methods interleaved round by round (machine noise hits ever
 
 - ``flat-torch`` / ``flat-mpi``: :class:`commopt.exchange.FlatExchange` (SPEC §1) on the global
   gloo / MPI backend;
-- ``hier-LOCAL-CROSS``: :class:`commopt.hierarchical.HierarchicalExchange` with its local level
+- ``hier-LOCAL-CROSS``: :class:`commopt.exchange.HierarchicalExchange` with its local level
   on LOCAL and its cross-node level on CROSS (``torch`` = gloo process groups from
   ``dist.new_group``; ``mpi`` = ``MPI.COMM_WORLD.Split``; under mpirun with the ``sm`` BTL, MPI
   moves the local level through shared memory; ``shm`` = :class:`~commopt.comm.shm_backend.
@@ -46,10 +46,9 @@ import commopt
 from commopt.comm import Backend, MpiBackend
 from commopt.comm.shm_backend import SharedMemoryBackend
 from commopt.compressed import compression_bytes
-from commopt.exchange import FlatExchange
-from commopt.hierarchical import HierarchicalExchange
-from commopt.hierarchical_levels import build_level_backends
-from commopt.topology import discover_topology
+from commopt.exchange import FlatExchange, HierarchicalExchange
+from commopt.exchange.levels import build_level_backends
+from commopt.exchange.topology import discover_topology
 
 __all__ = ["main"]
 

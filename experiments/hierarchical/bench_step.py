@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 import commopt
-from commopt.topology import discover_topology
+from commopt.exchange.topology import discover_topology
 
 __all__ = ["main"]
 

@@ -69,8 +69,8 @@ class _Timers:
 
 @contextlib.contextmanager
 def _instrumented() -> Iterator[_Timers]:
-    import commopt.optim.agreement as agreement
-    import commopt.optim.communication as communication
+    import commopt.optim._agreement as agreement
+    import commopt.optim._communication as communication
     import commopt.optim.onebit_adam as onebit_adam
     from commopt.kernels import numba_kernels
     from commopt.optim.flat_state import FlatState
@@ -102,7 +102,7 @@ def _as_before() -> Iterator[None]:
     """The step as it was before the CPU-cost work of issue #12 (same results, bit for bit):
     the step guard's bound recomputed, its indices filtered and its denominator copied from d
     in full every step, its gather/scatter in torch. For side-by-side timing in one process."""
-    import commopt.step_guard as step_guard
+    import commopt.optim.step_guard as step_guard
     from commopt.kernels import TorchKernels, numba_kernels
     from commopt.optim.flat_state import FlatState
 

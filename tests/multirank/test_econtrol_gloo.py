@@ -16,8 +16,8 @@ import torch
 from commopt import NonFiniteError, compressed_allreduce, padded_size
 from commopt.comm import SingleProcessBackend
 from commopt.compressed import compression_bytes
-from commopt.econtrol import econtrol_allreduce_
 from commopt.exchange import Exchange, FlatExchange
+from commopt.exchange.econtrol import econtrol_allreduce_
 from tests.multirank.harness import run_ranks
 
 CALLS = 5

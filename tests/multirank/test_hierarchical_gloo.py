@@ -18,10 +18,9 @@ import torch
 from commopt import NonFiniteError, padded_size
 from commopt.comm.shm_backend import SharedMemoryBackend
 from commopt.compressed import compressed_allreduce_and_scale, compression_bytes
-from commopt.exchange import FlatExchange
-from commopt.hierarchical import HierarchicalExchange, build_exchange
+from commopt.exchange import FlatExchange, HierarchicalExchange, build_exchange
+from commopt.exchange.topology import discover_topology
 from commopt.kernels import get_kernels
-from commopt.topology import discover_topology
 from tests.multirank.harness import RankError, run_ranks
 
 F32 = np.float32
@@ -419,7 +418,7 @@ def test_wrong_topology_inputs() -> None:
         assert len(errors) == 5, errors
         assert "Invalid topology: 'ring' (must be 'flat', 'hierarchical' or 'auto')" in errors[0]
         assert "topology='flat' takes no further arguments, got ['env']" in errors[1]
-        assert "topology must be a commopt.topology.Topology" in errors[2]
+        assert "topology must be a commopt.exchange.topology.Topology" in errors[2]
         assert "the topology describes rank 0 of 2 but the backend is rank" in errors[3]
         assert "level backends do not match the topology on rank(s) [1, 2]" in errors[4]
         if rank in (1, 2):

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from commopt.comm.shm_backend import SharedMemoryBackend
-from commopt.hierarchical import HierarchicalExchange
-from commopt.hierarchical_levels import build_level_backends
-from commopt.topology import discover_topology
+from commopt.exchange import HierarchicalExchange
+from commopt.exchange.levels import build_level_backends
+from commopt.exchange.topology import discover_topology
 from tests.multirank.harness import RankError, run_ranks
 
 TIMEOUT = 120.0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from commopt.topology import discover_topology
+from commopt.exchange.topology import discover_topology
 from tests.multirank.harness import RankError, run_ranks
 
 TIMEOUT = 60.0

@@ -19,7 +19,7 @@ import torch
 
 import commopt
 from commopt import AutoFreezeSettings
-from commopt.freeze import AutoFreeze
+from commopt.optim.freeze import AutoFreeze
 from tests.unit.test_beyond_options import NOISY, SINGLE, _model, _state, _train
 
 KINDS = ("OnebitAdam", "OnebitLamb", "ZeroOneAdam")

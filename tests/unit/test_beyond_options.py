@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import commopt
-from commopt.freeze import AutoFreeze, VarianceLevel, settled_step
-from commopt.step_guard import adam_step_bound
+from commopt.optim.freeze import AutoFreeze, VarianceLevel, settled_step
+from commopt.optim.step_guard import adam_step_bound
 
 SINGLE = commopt.SingleProcessBackend()
 
@@ -72,7 +72,7 @@ def test_auto_freeze_decides_once_logs_once_and_resumes_exactly(kind, caplog):
     steps = 160
     model = _model()
     opt = AUTO[kind](model.parameters())
-    with caplog.at_level(logging.INFO, logger="commopt.freeze"):
+    with caplog.at_level(logging.INFO, logger="commopt.optim.freeze"):
         _train(model, opt, range(steps), NOISY)
     decided = opt.global_state["auto_freeze_step"]
     assert decided is not None and 40 <= decided < steps, decided

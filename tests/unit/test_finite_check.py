@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from commopt.optim.agreement import _all_finite
+from commopt.optim._agreement import _all_finite
 
 
 @settings(max_examples=200, deadline=None)

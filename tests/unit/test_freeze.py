@@ -1,4 +1,4 @@
-"""commopt.freeze: the automatic freeze rule, its state round trip and its argument checks."""
+"""commopt.optim.freeze: the automatic freeze rule, its state round trip and its argument checks."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import commopt
-from commopt.freeze import (
+from commopt.optim.freeze import (
     AutoFreeze,
     AutoFreezeSettings,
     VarianceLevel,
@@ -115,7 +115,7 @@ def test_the_window_must_be_covered_by_observations():
 
 def test_decision_is_logged_once(caplog):
     auto = AutoFreeze(min_step=3, threshold=0.5)
-    with caplog.at_level(logging.INFO, logger="commopt.freeze"):
+    with caplog.at_level(logging.INFO, logger="commopt.optim.freeze"):
         for t in range(1, 20):
             auto.observe(t, 1.0)
     records = [r for r in caplog.records if "frozen automatically" in r.getMessage()]

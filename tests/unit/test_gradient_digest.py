@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from commopt.optim.agreement import gradient_digest
+from commopt.optim._agreement import gradient_digest
 
 
 def _params(*grads: torch.Tensor) -> list[torch.nn.Parameter]:

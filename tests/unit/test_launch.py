@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 import commopt
 import commopt.comm as comm
+import commopt.comm.default as comm_default
 import commopt.launch as launch
 from commopt.comm import SingleProcessBackend, TorchBackend, resolve_backend, set_default_backend
 from commopt.launch import LaunchInfo, discover_launch, launched_by_mpi
@@ -216,7 +217,7 @@ def test_init_mpi_sets_default(clean: pytest.MonkeyPatch) -> None:
 # -- resolve_backend order (SPEC §5) -----------------------------------------------------------
 def test_resolve_backend_order(clean: pytest.MonkeyPatch, tmp_path) -> None:
     fake_mpi = type("FakeMpiCounted", (_FakeMpi,), {"size": 4, "built": 0})
-    clean.setattr(comm, "MpiBackend", fake_mpi)
+    clean.setattr(comm_default, "MpiBackend", fake_mpi)
 
     # 4. nothing launched, nothing set: a world of one.
     assert isinstance(resolve_backend(), SingleProcessBackend)

@@ -1,4 +1,4 @@
-"""commopt.step_guard: Adam's step bound, the clamp, and how it compares with the other guards."""
+"""step_guard: Adam's step bound, the clamp, and how it compares with the other guards."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from commopt.step_guard import adam_step_bound, bound_step_
+from commopt.optim.step_guard import adam_step_bound, bound_step_
 
 BETAS = [(0.9, 0.999), (0.9, 0.99), (0.9, 0.96), (0.5, 0.3), (0.0, 0.9)]
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import commopt
-from commopt.step_guard import TINY_VARIANCE, adam_step_bound
+from commopt.optim.step_guard import TINY_VARIANCE, adam_step_bound
 
 SINGLE = commopt.SingleProcessBackend()
 DEFAULT = object()  # pass no step_guard at all

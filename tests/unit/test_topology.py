@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from commopt.comm import SingleProcessBackend
-from commopt.topology import Topology, _build, _from_env, _hash_key, discover_topology
+from commopt.exchange.topology import Topology, _build, _from_env, _hash_key, discover_topology
 
 TORCHRUN, OPENMPI, SHARED, HOSTNAME = 0, 1, 2, 3
 

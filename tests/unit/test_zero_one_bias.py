@@ -16,7 +16,7 @@ import torch
 
 import commopt
 from commopt import ZeroOneAdam
-from commopt.optim.variance_bias import (
+from commopt.optim._adam import (
     variance_bias_sqrt,
     variance_steps_through,
     variance_updates,

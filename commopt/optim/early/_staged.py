@@ -10,7 +10,7 @@ Memory, per optimizer bucket of L elements, allocated at first use and kept: a s
 + N/n fp32 for the flat exchange, N = L padded) in steps with ``MOMENTUM`` work. So about 4
 bytes per parameter in the warmup and (2 + 1/n)·4 bytes in the compression stage (0/1 Adam's
 staged syncs: a staged p′ too, so (3 + 1/n)·4 bytes, :mod:`commopt.optim.zero_one_adam`), on
-top of the optimizer's own m, v, e and f. """
+top of the optimizer's own m, v, e and f."""
 
 from __future__ import annotations
 

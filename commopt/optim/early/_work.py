@@ -19,7 +19,7 @@ from commopt.optim.early._staged import StagedBuffers, StagedWork, fold_param_
 from commopt.optim.flat_state import FlatState
 
 if TYPE_CHECKING:
-    from commopt.optim.communication import Communication
+    from commopt.optim._communication import Communication
     from commopt.optim.early._thread import CommThread
 
 __all__ = ["EarlyWork"]

@@ -12,10 +12,9 @@ import torch
 
 from commopt import padded_size
 from commopt.comm import MpiBackend, TorchBackend
-from commopt.exchange import FlatExchange
-from commopt.hierarchical import HierarchicalExchange, build_exchange
-from commopt.hierarchical_levels import build_level_backends
-from commopt.topology import discover_topology
+from commopt.exchange import FlatExchange, HierarchicalExchange, build_exchange
+from commopt.exchange.levels import build_level_backends
+from commopt.exchange.topology import discover_topology
 
 CALLS = 3
 LENGTH = 4099

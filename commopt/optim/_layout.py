@@ -16,8 +16,8 @@ import torch
 from commopt.buckets import build_buckets
 from commopt.comm import Backend
 from commopt.exchange import Exchange
+from commopt.optim._resume import restore_comm
 from commopt.optim.flat_state import FlatState
-from commopt.optim.resume import restore_comm
 
 __all__ = ["BucketLayout"]
 

@@ -1,17 +1,4 @@
-r"""How a bucket's buffer is averaged at one bit: the exchange an optimizer is built on.
-
-An *exchange* owns the shape of the compressed average (flat SPEC §1 over all ranks, or a
-hierarchical variant) and names the per-rank persistent buffers it needs (the error-feedback
-state). The optimizers never size or interpret those buffers themselves: they ask
-``state_numels(L)`` once per bucket, keep the buffers (fp32, zero-initialised, saved per rank in
-``state_dict()``), and hand them back on every call. So a new topology or error-feedback policy
-is a new exchange, not a change to any optimizer.
-
-:class:`FlatExchange` is SPEC §1 itself: ``worker_error`` (N elements) and ``server_error``
-(N/n elements) with N = ``padded_size(L, n)``. With ``feedback="econtrol"`` the workers use
-EControl error feedback (docs/algorithms/error_feedback.md), which adds ``worker_estimate`` and
-``mean_estimate`` (N each) and a one-element ``started`` flag.
-"""
+r"""SPEC §1 over all ranks (:class:`FlatExchange`), and what an exchange is (:class:`Exchange`)."""
 
 from __future__ import annotations
 
@@ -21,9 +8,9 @@ import torch
 
 from commopt.comm import Backend
 from commopt.compressed import compressed_allreduce_and_scale, padded_size
-from commopt.econtrol import econtrol_allreduce_
+from commopt.exchange.econtrol import econtrol_allreduce_
 
-__all__ = ["FEEDBACK_POLICIES", "Exchange", "FlatExchange", "optimizer_exchange"]
+__all__ = ["FEEDBACK_POLICIES", "Exchange", "FlatExchange"]
 
 #: the error-feedback policies :class:`FlatExchange` implements
 FEEDBACK_POLICIES = ("classic", "econtrol")
@@ -65,7 +52,7 @@ class FlatExchange:
 
             - ``"classic"`` (default): SPEC §1 exactly; state ``worker_error``, ``server_error``.
             - ``"econtrol"``: EControl (Gao, Islamov, Stich, ICLR 2024, arXiv:2311.05645), see
-              :func:`commopt.econtrol.econtrol_allreduce_`. The workers compress the
+              :func:`commopt.exchange.econtrol.econtrol_allreduce_`. The workers compress the
               difference between their buffer and an estimate of it, plus η times their error;
               the servers keep classic error feedback. Same wire bytes per call (plus one fp32
               all-reduce on the very first call); state adds ``worker_estimate`` and
@@ -120,28 +107,3 @@ class FlatExchange:
         if self.feedback == "classic":
             return f"FlatExchange({self.backend!r})"
         return f"FlatExchange({self.backend!r}, feedback={self.feedback!r}, eta={self.eta})"
-
-
-def optimizer_exchange(
-    backend: Backend, topology: str, error_feedback: str = "classic", eta: float = 0.2
-) -> Exchange:
-    """The exchange an optimizer's ``topology`` and ``error_feedback`` ask for.
-
-    ``"flat"`` (or one rank): :class:`FlatExchange`. Otherwise
-    :func:`commopt.hierarchical.build_exchange` decides (it builds process groups, so every rank
-    calls this together). EControl exists for the flat exchange only.
-    """
-    if topology == "flat" or backend.world_size == 1:
-        return FlatExchange(backend, error_feedback, eta)
-    from commopt.hierarchical import build_exchange  # imports topology discovery
-
-    exchange = build_exchange(backend, topology)
-    if error_feedback != "classic":
-        if not isinstance(exchange, FlatExchange):
-            raise ValueError(
-                f"error_feedback={error_feedback!r} is implemented for the flat exchange only, "
-                f"and topology={topology!r} resolved to a hierarchical one; use "
-                "topology='flat' or error_feedback='classic'"
-            )
-        exchange = FlatExchange(backend, error_feedback, eta)
-    return exchange

@@ -13,34 +13,32 @@ n)`` and S = N/L (the *slice*):
 
 Bytes that cross the network per node drop by L against the flat exchange, and so does the
 worker error. docs/hierarchical.md states the algorithm in full (padding, scales, bytes per
-level). :func:`build_exchange` picks flat or hierarchical by name or by the topology.
+level). :func:`commopt.exchange.build_exchange` picks flat or hierarchical by name or by the
+topology.
 """
 
 from __future__ import annotations
 
 import time
-import warnings
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
-from commopt.comm import Backend, TorchBackend, resolve_backend
+from commopt.comm import Backend, resolve_backend
 from commopt.comm.shm_backend import SharedMemoryBackend
 from commopt.compressed import NonFiniteError, overflow_safe, padded_size
-from commopt.exchange import Exchange, FlatExchange
-from commopt.hierarchical_levels import (
+from commopt.exchange.flat import FlatExchange
+from commopt.exchange.levels import (
     SharedMemory,
     build_level_backends,
     check_level_backends,
     wants_shared_memory,
 )
+from commopt.exchange.topology import Topology, discover_topology
 from commopt.kernels import get_kernels
-from commopt.topology import Topology, discover_topology
 
-__all__ = ["HierarchicalExchange", "build_exchange"]
-
-TopologyName = Literal["flat", "hierarchical", "auto"]
+__all__ = ["HierarchicalExchange"]
 
 
 class HierarchicalExchange:
@@ -79,7 +77,7 @@ class HierarchicalExchange:
 
     Args:
         backend: the global backend (all n ranks); ``exchange.backend`` is this.
-        topology: which ranks share a node; discovered with :func:`~commopt.topology.
+        topology: which ranks share a node; discovered with :func:`~commopt.exchange.topology.
             discover_topology` (collective) when ``None``.
         local_backend: the L ranks of this node, ranked by local rank; built from ``backend``
             when ``None`` (torch: ``dist.new_group`` per node; MPI: ``comm.Split``). Give it the
@@ -92,7 +90,7 @@ class HierarchicalExchange:
             writable /dev/shm, unless ``COMMOPT_SHARED_MEMORY=0``; a message too big for
             /dev/shm then goes through the process group (one warning). ``True``: always, and a
             too small /dev/shm is a ``RuntimeError``. ``False``: never.
-        env, hostname: passed to :func:`~commopt.topology.discover_topology`.
+        env, hostname: passed to :func:`~commopt.exchange.topology.discover_topology`.
 
     Raises:
         ValueError: nodes of unequal sizes, a topology that does not describe ``backend``, or
@@ -117,7 +115,9 @@ class HierarchicalExchange:
         be = self.backend
         topo = discover_topology(be, env, hostname=hostname) if topology is None else topology
         if not isinstance(topo, Topology):
-            raise TypeError(f"topology must be a commopt.topology.Topology, got {topo!r:.80}")
+            raise TypeError(
+                f"topology must be a commopt.exchange.topology.Topology, got {topo!r:.80}"
+            )
         if topo.world_size != be.world_size or topo.rank != be.rank:
             raise ValueError(
                 f"the topology describes rank {topo.rank} of {topo.world_size} but the backend is "
@@ -346,55 +346,3 @@ class HierarchicalExchange:
             f"HierarchicalExchange({t.num_nodes} nodes × {t.local_size} ranks, "
             f"local={self.local_backend!r}, cross={self.cross_backend!r})"
         )
-
-
-def build_exchange(
-    backend: Backend | None = None,
-    topology: TopologyName = "flat",
-    **kwargs: Any,
-) -> Exchange:
-    """The exchange for ``topology``: ``"flat"`` (SPEC §1), ``"hierarchical"`` or ``"auto"``.
-
-    ``"auto"`` is hierarchical when there is more than one node and more than one rank per node,
-    and flat otherwise — also, with one warning, when nodes have unequal numbers of ranks (the
-    hierarchical exchange needs equal nodes; flat is correct for any layout), and when the local
-    level would be gloo over TCP loopback on some node (a gloo backend without shared memory,
-    ``COMMOPT_SHARED_MEMORY=0`` or no /dev/shm, and no ``local_backend`` given): measured on 2
-    hosts × 2 ranks, that local level made the exchange 0.77–0.94× flat's speed at 1 Gbit/s,
-    the shared-memory one 0.97–1.10× (docs/performance.md). ``"auto"`` and
-    ``"hierarchical"`` discover the topology collectively, so every rank must call this.
-    ``kwargs`` go to :class:`HierarchicalExchange` (``topology=`` there is spelled
-    ``node_topology=`` here; ``local_backend``, ``cross_backend``, ``shared_memory``, ``env``,
-    ``hostname``).
-    """
-    be = resolve_backend(backend)
-    if topology == "flat":
-        if kwargs:
-            raise ValueError(f"topology='flat' takes no further arguments, got {sorted(kwargs)}")
-        return FlatExchange(be)
-    if topology not in ("hierarchical", "auto"):
-        raise ValueError(
-            f"Invalid topology: {topology!r} (must be 'flat', 'hierarchical' or 'auto')"
-        )
-    node_topology = kwargs.pop("node_topology", None)
-    if node_topology is None:
-        node_topology = discover_topology(be, kwargs.get("env"), hostname=kwargs.get("hostname"))
-    if topology == "auto":
-        if not node_topology.uniform:
-            warnings.warn(
-                "topology='auto': nodes have unequal numbers of ranks "
-                f"{[len(r) for r in node_topology.nodes]}, so the flat exchange is used "
-                "(the hierarchical one pairs local rank j of every node)",
-                stacklevel=2,
-            )
-            return FlatExchange(be)
-        if node_topology.num_nodes == 1 or node_topology.local_size == 1:
-            return FlatExchange(be)
-        if kwargs.get("local_backend") is None and isinstance(be, TorchBackend):
-            shared = kwargs.get("shared_memory", "auto")
-            slow = be.engine == "gloo" and not wants_shared_memory(be, shared)
-            votes = torch.tensor([int(slow)], dtype=torch.int64)
-            be.all_reduce(votes)  # every rank decides alike, whatever its node has
-            if int(votes):
-                return FlatExchange(be)
-    return HierarchicalExchange(be, node_topology, **kwargs)

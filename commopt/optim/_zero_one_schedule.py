@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from commopt.optim.variance_bias import variance_updates
+from commopt.optim._adam import variance_updates
 
 __all__ = ["ZeroOneSchedule"]
 

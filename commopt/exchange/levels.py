@@ -1,4 +1,4 @@
-"""The two levels of :class:`commopt.hierarchical.HierarchicalExchange`: building and checking them.
+"""The two levels of :class:`commopt.exchange.HierarchicalExchange`: building and checking them.
 
 A hierarchical exchange needs one backend per level: the L ranks of this node (local level) and
 local rank j of every node (cross level). :func:`build_level_backends` carves both out of the
@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from commopt.comm import Backend, MpiBackend, TorchBackend
 from commopt.comm.shm_backend import SharedMemoryBackend, shared_memory_usable
-from commopt.topology import Topology
+from commopt.exchange.topology import Topology
 
 __all__ = ["SharedMemory", "build_level_backends", "check_level_backends", "wants_shared_memory"]
 

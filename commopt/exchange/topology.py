@@ -139,7 +139,7 @@ def discover_topology(
     Unequal node sizes (say 3 ranks on one node, 2 on another) are reported, not refused: the
     result has ``uniform == False``. They describe a valid job, and a correct (flat) compressed
     allreduce exists for it; only the hierarchical exchange cannot be built, because its cross-
-    node groups pair local rank j of every node. So :class:`~commopt.hierarchical.
+    node groups pair local rank j of every node. So :class:`~commopt.exchange.hierarchical.
     HierarchicalExchange` raises a ``ValueError`` naming the node sizes, and
     ``build_exchange(..., "auto")`` falls back to the flat exchange with one warning — training
     still runs, at flat speed, and the user is told why. Contradictory records (a node whose

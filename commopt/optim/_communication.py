@@ -2,7 +2,8 @@
 
 The backend is resolved at first use (``backend=None`` → SPEC §5), so an optimizer can be built
 before the process group exists; the exchange (SPEC §1 over the backend, or the hierarchical
-exchange of :mod:`commopt.hierarchical`, per ``topology``) is built from it at first use too.
+exchange of :mod:`commopt.exchange.hierarchical`, per ``topology``) is built from it at first use
+too.
 Every full-precision average and every compressed exchange is counted here, and
 :meth:`Communication.stats` reports the counts with the backend's traffic
 (``optimizer.comm_stats()``).
@@ -18,7 +19,7 @@ from typing import Any
 import torch
 
 from commopt.comm import Backend, resolve_backend
-from commopt.exchange import Exchange, optimizer_exchange
+from commopt.exchange import Exchange, build_exchange
 from commopt.optim.flat_state import FlatState
 
 __all__ = ["Communication"]
@@ -29,7 +30,8 @@ class Communication:
 
     Args:
         requested: the optimizer's ``backend`` argument (None: SPEC §5 at first use).
-        topology: ``"flat"``, ``"hierarchical"`` or ``"auto"`` (:func:`optimizer_exchange`).
+        topology: ``"flat"``, ``"hierarchical"`` or ``"auto"``
+            (:func:`~commopt.exchange.build_exchange`).
         error_feedback: the exchange's error-feedback policy.
         econtrol_eta: EControl's η (``error_feedback="econtrol"``).
     """
@@ -60,10 +62,12 @@ class Communication:
     @property
     def exchange(self) -> Exchange:
         """How buckets are averaged at one bit: SPEC §1 over :attr:`backend`, or the
-        hierarchical exchange of :mod:`commopt.hierarchical` (``topology``)."""
+        hierarchical exchange of :mod:`commopt.exchange.hierarchical` (``topology``)."""
         if self._exchange is None:
-            self._exchange = optimizer_exchange(
-                self.backend, self.topology, self.error_feedback, self.econtrol_eta
+            # one rank has no nodes to tell apart: flat (builds no process groups)
+            topology = self.topology if self.backend.world_size > 1 else "flat"
+            self._exchange = build_exchange(
+                self.backend, topology, error_feedback=self.error_feedback, eta=self.econtrol_eta
             )
         return self._exchange
 

@@ -1,0 +1,216 @@
+r"""The Adam arithmetic the three optimizers share, as free functions on tensors.
+
+No optimizer, bucket or backend in sight: each function is one line of the papers, applied to
+flat slices or lists of views, in place, with torch.optim.Adam's exact operations (``lerp`` for
+the momentum, one ``addcdiv`` for the update) so that results match it bit for bit.
+
+- **Moments**: :func:`update_moments_`, :func:`momentum_from_grads_`.
+- **The update**: :func:`adam_update_`, and :func:`guarded_adam_update_`, the one guarded update
+  of 1-bit and 0/1 Adam (the step guard of :mod:`commopt.optim.step_guard`). The denominator
+  √v̂ + ε is :meth:`FlatState.denominator <commopt.optim.flat_state.FlatState.denominator>`,
+  kept while v does not change.
+- **Masks**: what a compressed exchange hands back is masked: the user's ``exp_avg_mask``
+  (:func:`apply_exp_avg_mask_`), and commopt's guard against elements whose variance is exactly
+  zero (:class:`ZeroVarianceGuard`; an intended difference from SPEC §2–§4 and DeepSpeed, SPEC
+  §8).
+- **0/1 Adam's bias correction** v̂ = v/(1 − β2^k), k the variance updates v has had. 0/1 Adam
+  (SPEC §4, the paper's reference implementation, DeepSpeed) uses v as it is. v starts at 0 and
+  after k variance updates is (1 − β2^k) of its level, so a variance frozen early (T_v of a few
+  hundred steps at β2 = 0.999) is a few per cent of its level and every step is 1/√(1 − β2^k)
+  too large for the rest of the run. commopt's ``ZeroOneAdam(bias_correction=True)`` divides v
+  by 1 − β2^k instead, an intended difference (docs/algorithms/zero_one_adam.md). k counts
+  *variance updates*, not steps: variance steps thin out (I_v doubles after every
+  ``var_update_scaler`` of them), so k is far below t. It is a function of the shared schedule
+  alone, hence identical on every rank with no message, and needs no state of its own: I_v =
+  2^j after j·S variance steps (S = ``var_update_scaler``), so the updates so far are j·S +
+  ``var_counter``. A param group added later counts from the update count when it joined.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from commopt.optim._warnings import warn_at_caller
+from commopt.optim.flat_state import FlatState
+from commopt.optim.step_guard import guarded_denominator, guarded_elements
+
+if TYPE_CHECKING:
+    from commopt.buckets import Segment
+    from commopt.optim.flat_state import FlatState
+
+__all__ = [
+    "ZeroVarianceGuard",
+    "adam_update_",
+    "apply_exp_avg_mask_",
+    "guarded_adam_update_",
+    "momentum_from_grads_",
+    "momentum_step_size",
+    "update_moments_",
+    "variance_bias_sqrt",
+    "variance_steps_through",
+    "variance_updates",
+]
+
+
+def update_moments_(
+    m: torch.Tensor, v: torch.Tensor | None, g: torch.Tensor, beta1: float, beta2: float
+) -> None:
+    r"""m ← β1·m + (1−β1)·g (as ``lerp``);  v ← β2·v + (1−β2)·g² (skipped when v is None)."""
+    m.lerp_(g, 1 - beta1)
+    if v is not None:
+        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+
+
+def momentum_from_grads_(
+    m_views: Sequence[torch.Tensor], params: Sequence[torch.Tensor], beta1: float
+) -> None:
+    r"""m ← β1·m + (1−β1)·g with each parameter's own gradient, read where it is.
+
+    A parameter without a gradient contributes g = 0 (m ← β1·m). bf16/fp16 gradients are
+    widened to the state's fp32 (exactly) because ``lerp`` wants one dtype.
+    """
+    views, grads, without = [], [], []
+    for view, p in zip(m_views, params, strict=True):
+        if p.grad is None:
+            without.append(view)
+        else:
+            views.append(view)
+            grads.append(p.grad.to(view.dtype))
+    if views:
+        torch._foreach_lerp_(views, grads, 1 - beta1)
+    if without:
+        torch._foreach_mul_(without, beta1)
+
+
+def adam_update_(
+    params: Sequence[torch.Tensor],
+    m_views: Sequence[torch.Tensor],
+    d_views: Sequence[torch.Tensor],
+    lr: float,
+    weight_decay: float,
+    step_size: float,
+) -> None:
+    r"""p ← p·(1 − η·λ) − step_size·m/d: decoupled decay, then one ``addcdiv`` (torch's Adam).
+
+    step_size is η/(1−β1ᵗ) with bias correction, η without.
+    """
+    params = list(params)
+    if weight_decay != 0:
+        torch._foreach_mul_(params, 1 - lr * weight_decay)
+    torch._foreach_addcdiv_(params, list(m_views), list(d_views), value=-step_size)
+
+
+def guarded_adam_update_(
+    state: FlatState,
+    segments: Iterable[tuple[Segment, dict[str, Any]]],
+    m: torch.Tensor,
+    d: torch.Tensor,
+    step_sizes: Sequence[float],
+    limits: Sequence[float | None],
+    step_guard: bool | str,
+    target: torch.Tensor | None = None,
+) -> None:
+    r"""p ← p·(1 − η·λ) − step_size·m/d′ for each segment and its group, where d′ = d except
+    on the elements the step guard names (:func:`~commopt.optim.step_guard.guarded_elements`):
+    d′ = max(d, |m|/limit) there, so |m/d′| ≤ limit. ``limits[k]`` None: segment k is not
+    guarded (d′ = d). ``target``: a flat buffer laid out like the bucket takes the update in
+    place of the parameters (0/1 Adam's staged sync). The one guarded Adam update of 1-bit
+    and 0/1 Adam; every unguarded element has the bits of ``addcdiv(m, d)``."""
+    d_guard = None  # d, with the guarded elements rewritten (the whole bucket, kept)
+    for (seg, group), step_size, limit in zip(segments, step_sizes, limits, strict=True):
+        guarded = limit is not None and not math.isinf(limit)
+        where = guarded_elements(step_guard, state, seg) if guarded else None
+        d_seg = d
+        if where is not None:
+            if d_guard is None:
+                d_guard = state.guard_denominator_base(d)
+            d_seg = d_guard
+            sl = seg.slice
+            guarded_denominator(d_seg[sl], m[sl], d[sl], limit, where, copy=False)
+        params = seg.params if target is None else seg.views(target)
+        wd = group["weight_decay"]
+        adam_update_(params, seg.views(m), seg.views(d_seg), group["lr"], wd, step_size)
+
+
+def apply_exp_avg_mask_(
+    flat: torch.Tensor, state: FlatState, param_groups: Sequence[dict[str, Any]]
+) -> None:
+    """flat ← flat ⊙ exp_avg_mask, group by group (the mask broadcasts to each parameter)."""
+    for seg in state.bucket.segments:
+        mask = param_groups[seg.group].get("exp_avg_mask")
+        if mask is not None:
+            for view in seg.views(flat):
+                view.mul_(mask.to(device=view.device, dtype=view.dtype))
+
+
+class ZeroVarianceGuard:
+    """flat ← 0 wherever the variance v is exactly 0.
+
+    An element whose v is 0 had a zero averaged gradient on every full-precision step so far:
+    an embedding row never looked up, a dead ReLU unit. The 1-bit code has no zero, so the
+    exchange hands it ±scale all the same, and its step m/(√v + ε) would be divided by ε alone,
+    ~1/ε times too large (the loss of a byte-level LM went to NaN this way). Such elements are
+    treated as masked: their momentum stays 0 and they do not move while v is 0. v is identical
+    on every rank, so replicas stay identical. Warns once (on the rank that asks to).
+    """
+
+    def __init__(self, owner: str) -> None:
+        self.owner = owner
+        self.warned = False
+
+    def apply_(self, state: FlatState, flat: torch.Tensor, warn: bool) -> None:
+        where = state.zero_variance()
+        if where is None:
+            return
+        if warn and not self.warned:
+            self.warned = True
+            warn_at_caller(
+                f"{self.owner}: {where.numel()} of {flat.numel()} elements have zero variance "
+                "(a zero averaged gradient on every full-precision step so far); they do not "
+                "move while it is zero, as if exp_avg_mask were 0 there, because their step "
+                "m/(sqrt(v) + eps) would be divided by eps alone"
+            )
+        flat.index_fill_(0, where, 0.0)
+
+
+def variance_updates(var_interval: int, var_counter: int, scaler: int) -> int:
+    """Variance updates since step 1, from 0/1 Adam's schedule state: I_v doubled once per
+    ``scaler`` updates, so it is 2^j after j·scaler of them, plus ``var_counter`` since."""
+    j = var_interval.bit_length() - 1
+    if var_interval != 1 << j:
+        raise ValueError(f"var_interval must be a power of 2, got {var_interval}")
+    return j * scaler + var_counter
+
+
+def variance_steps_through(step: int, scaler: int) -> int:
+    """Variance steps among steps 1..``step`` of phase A (``step`` ≤ T_v), replaying the
+    schedule: t is one when t ≡ 0 (mod I_v), I_v doubling after every ``scaler`` of them."""
+    interval, counter, count = 1, 0, 0
+    t = interval
+    while t <= step:  # only the variance steps themselves: t jumps by I_v
+        count += 1
+        counter += 1
+        if counter == scaler:
+            counter, interval = 0, 2 * interval
+        t = (t // interval + 1) * interval  # the next multiple of the (new) interval
+    return count
+
+
+def variance_bias_sqrt(beta2: float, k: int, correct: bool) -> float:
+    r"""b = √(1 − β2^k), so that √v̂ = √v / b; 1 without correction, and for k = 0 (no update
+    yet: v is 0 there, the zero-variance mask keeps those elements still, nothing to scale)."""
+    if not correct or k <= 0:
+        return 1.0
+    return math.sqrt(1.0 - beta2**k)
+
+
+def momentum_step_size(lr: float, beta1: float, t: int, correct: bool) -> float:
+    r"""η/(1 − β1^t): the step size that applies m̂ = m/(1 − β1^t) (m is updated every step, so
+    t counts steps, from the group's first); η itself without correction."""
+    if not correct or t <= 0:
+        return lr
+    return lr / (1.0 - beta1**t)
