@@ -70,7 +70,7 @@ class _Watched:
     world_size: int
     name: str
 
-    def _watchdog_setup(self, timeout: float, grace: float | None) -> None:
+    def arm_watchdog(self, timeout: float, grace: float | None) -> None:
         self._wd_timeout = float(timeout)
         self._wd_mpi_comm = getattr(self, "comm", None) if self.name == "mpi" else None
         if grace is None:
@@ -325,5 +325,5 @@ def watch(backend: B, timeout: float, *, grace: float | None = None) -> B:
             sub = type(f"Watched{cls.__name__}", (_Watched, cls), {"__module__": __name__})
             _SUBCLASSES[cls] = sub
         backend.__class__ = sub
-    backend._watchdog_setup(timeout, grace)  # type: ignore[attr-defined]
+    backend.arm_watchdog(timeout, grace)  # type: ignore[attr-defined]
     return backend

@@ -111,7 +111,8 @@ def _from_env(env: Mapping[str, str], hostname: str) -> tuple[str, int, int, int
 
 def _from_mpi_shared(backend: MpiBackend) -> tuple[str, int, int, int]:
     """The ranks that MPI says can share memory with this one: key = their smallest rank."""
-    mpi = backend._mpi
+    from mpi4py import MPI as mpi  # (imported by the MpiBackend already)
+
     shared = backend.comm.Split_type(mpi.COMM_TYPE_SHARED, key=backend.rank)
     try:
         key = shared.allreduce(backend.rank, op=mpi.MIN)

@@ -29,13 +29,14 @@ the momentum, one ``addcdiv`` for the update) so that results match it bit for b
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from commopt.optim._warnings import warn_at_caller
 from commopt.optim.flat_state import FlatState
+from commopt.optim.freeze import VarianceLevel, variance_level
 from commopt.optim.step_guard import guarded_denominator, guarded_elements
 
 if TYPE_CHECKING:
@@ -49,8 +50,11 @@ __all__ = [
     "guarded_adam_update_",
     "momentum_from_grads_",
     "momentum_step_size",
+    "momentum_step_sizes",
     "update_moments_",
     "variance_bias_sqrt",
+    "variance_denominator",
+    "variance_level_of",
     "variance_steps_through",
     "variance_updates",
 ]
@@ -214,3 +218,44 @@ def momentum_step_size(lr: float, beta1: float, t: int, correct: bool) -> float:
     if not correct or t <= 0:
         return lr
     return lr / (1.0 - beta1**t)
+
+
+def variance_denominator(
+    state: FlatState, segments: Iterable[tuple[Segment, dict[str, Any]]], k: int
+) -> torch.Tensor:
+    """0/1 Adam's √v̂ + ε, read-only, kept while v does not change: v̂ = v/(1 − β2^k′) per
+    group with ``bias_correction`` (k′ = k − the group's ``variance_offset``: its own variance
+    updates), else v as it is (SPEC §4)."""
+    bias_sqrt, eps = [], []
+    for _, g in segments:
+        k_group = k - g["variance_offset"]
+        bias_sqrt.append(variance_bias_sqrt(g["betas"][1], k_group, g["bias_correction"]))
+        eps.append(g["eps"])
+    return state.denominator(bias_sqrt, eps)
+
+
+def momentum_step_sizes(groups: Sequence[dict[str, Any]], step: int) -> list[float]:
+    """η/(1 − β1^t) per param group with ``bias_correction`` (t: steps since the group
+    joined, ``first_step``), else η."""
+    return [
+        momentum_step_size(g["lr"], g["betas"][0], step - g["first_step"], g["bias_correction"])
+        for g in groups
+    ]
+
+
+def variance_level_of(
+    states: Iterable[FlatState],
+    segments: Callable[[FlatState], Iterable[tuple[Segment, dict[str, Any]]]],
+    k: int,
+    corrected: Callable[[dict[str, Any]], bool] = lambda group: True,
+) -> VarianceLevel:
+    """What the automatic freeze observes: Σ ln mean(√v̂) over the tensors of these buckets,
+    v̂ = v/(1 − β2^k) in the groups ``corrected`` names, v elsewhere
+    (:func:`~commopt.optim.freeze.variance_level`)."""
+    level = VarianceLevel()
+    for state in states:
+        v = state.flat["exp_avg_sq"]
+        for seg, group in segments(state):
+            bias = 1 - group["betas"][1] ** k if corrected(group) else 1.0
+            level += variance_level(seg.views(v), bias)
+    return level

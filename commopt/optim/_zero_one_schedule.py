@@ -6,16 +6,19 @@ step with no message."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from commopt.optim._adam import variance_updates
+
+if TYPE_CHECKING:
+    from commopt.optim.config import ZeroOneAdamConfig
 
 __all__ = ["ZeroOneSchedule"]
 
 
 class ZeroOneSchedule:
     """I_v and I_l over the state they live in (``state``: the optimizer's ``global_state``;
-    ``frozen_after``: T_v, the last step of phase A, as it is now)."""
+    ``frozen_after``: T_v, the last step of phase A, as it is now; ``config``: the scalers)."""
 
     #: the schedule's keys in ``global_state`` and their values at step 0
     START: dict[str, Any] = {  # noqa: RUF012 - read-only, copied by start()
@@ -28,18 +31,13 @@ class ZeroOneSchedule:
     }
 
     def __init__(
-        self,
-        state: dict[str, Any],
-        frozen_after: Callable[[], float],
-        var_update_scaler: int,
-        local_step_scaler: int,
-        local_step_clipper: int,
+        self, state: dict[str, Any], frozen_after: Callable[[], float], config: ZeroOneAdamConfig
     ) -> None:
         self.state = state
         self._frozen_after = frozen_after
-        self._var_scaler = var_update_scaler
-        self._local_scaler = local_step_scaler
-        self._clipper = local_step_clipper
+        self._var_scaler = config.var_update_scaler
+        self._local_scaler = config.local_step_scaler
+        self._clipper = config.local_step_clipper
         for key, value in self.START.items():
             state.setdefault(key, list(value) if isinstance(value, list) else value)
 

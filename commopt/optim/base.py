@@ -1,22 +1,11 @@
 """The orchestration every commopt optimizer shares: agree, lay out, run the algorithm, commit.
 
-The pieces it orchestrates each own their state and live in their own module:
-
-- :class:`~commopt.optim.flat_state.FlatState`, one per bucket: flat fp32 buffers whose views
-  are ``state[p][key]``, per-tensor scalars, this rank's exchange buffers, scratch;
-- :class:`~commopt.optim._layout.BucketLayout`: which parameters share a bucket;
-- :class:`~commopt.optim._agreement.GradientAgreement`: the model fingerprint and the per-step
-  gradient verdict, each one small all-reduce so that all ranks raise or skip alike;
-- :class:`~commopt.optim._communication.Communication`: the backend, the exchange, the rounds;
-- :class:`~commopt.optim.freeze.FreezePoint`: the last full-precision step, fixed or automatic;
-- :mod:`~commopt.optim._precision`: fp32 master weights for bf16/fp16 parameters;
-- :mod:`~commopt.optim._adam`: the arithmetic, as free functions;
-- :mod:`~commopt.exchange`: how a flat buffer is averaged at one bit;
-- :mod:`~commopt.optim.config` and :mod:`~commopt.optim._resume`: the schedule, saved and
-  checked on resume.
-
-An algorithm subclass names its flat keys and implements ``_step(step)``.
-"""
+Each piece it orchestrates owns its state: the buckets' :class:`~.flat_state.FlatState` and
+their layout (:mod:`._layout`), the per-step agreement (:mod:`._agreement`), the backend and its
+exchange (:mod:`._communication`, :mod:`commopt.exchange`), the freeze point (:mod:`.freeze`),
+master weights (:mod:`._precision`), the saved schedule (:mod:`.config`, :mod:`._resume`) and the
+work started during backward (:mod:`.early`). An algorithm subclass names its flat keys and
+implements ``_step(step)`` and ``_early_plan()``."""
 
 from __future__ import annotations
 
@@ -31,7 +20,6 @@ import torch
 
 from commopt.buckets import DEFAULT_BUCKET_NUMEL, Segment
 from commopt.comm import Backend
-from commopt.comm.channels import open_channel
 from commopt.compressed import NonFiniteError
 from commopt.exchange import Exchange
 from commopt.optim._adam import ZeroVarianceGuard, apply_exp_avg_mask_
@@ -41,7 +29,7 @@ from commopt.optim._layout import BucketLayout
 from commopt.optim._precision import master_weights, unscale_grads_
 from commopt.optim._resume import commopt_entry, keep_state_dtypes, split_commopt_entry
 from commopt.optim._warnings import warn_averaged_already, warn_redone, warn_skipped
-from commopt.optim.config import ConfigAttributes, check_param_group
+from commopt.optim.config import ConfigAttributes, check_overlap_arguments, check_param_group
 from commopt.optim.early import CommThread, EarlyPlan, EarlyWork, GradientHooks
 from commopt.optim.flat_state import FlatState
 from commopt.optim.freeze import AutoFreeze, FreezePoint, VarianceLevel
@@ -262,21 +250,10 @@ class CompressedOptimizer(ConfigAttributes, torch.optim.Optimizer):
         overlap the thread's channel is opened here: collectively, while every rank builds
         the optimizer (not at the first job, which a rank that skips that backward pass would
         never reach)."""
-        if not isinstance(overlap, bool):
-            raise TypeError(f"overlap must be True or False, got {overlap!r}")
-        if bucket_numel is not None:
-            if isinstance(bucket_numel, bool) or not isinstance(bucket_numel, int):
-                raise TypeError(f"bucket_numel must be an int, got {type(bucket_numel).__name__}")
-            if bucket_numel < 1:
-                raise ValueError(f"Invalid bucket_numel: {bucket_numel} (must be >= 1)")
-            self._bucket_numel = bucket_numel
+        self._bucket_numel = check_overlap_arguments(overlap, bucket_numel, self._bucket_numel)
         if not overlap:
             return
-        thread = self._thread = CommThread(f"commopt-{type(self).__name__}")
-        weakref.finalize(self, thread.close)
-        thread.channel, closer = open_channel(self.backend)
-        if closer is not None:  # freed with the thread (the optimizer is dropped)
-            thread.on_close.append(closer)
+        self._thread = CommThread.opened(f"commopt-{type(self).__name__}", self.backend, self)
         self._hooks.enable([p for g in self.param_groups for p in g["params"]])
 
     @contextlib.contextmanager

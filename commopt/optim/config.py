@@ -378,3 +378,19 @@ def check_param_group(
                 f"exp_avg_mask of shape {tuple(mask.shape)} does not broadcast to a parameter "
                 f"of shape {tuple(p.shape)} in its group"
             ) from None
+
+
+def check_overlap_arguments(
+    overlap: bool, bucket_numel: int | None, default: int | None
+) -> int | None:
+    """The constructors' ``overlap`` and ``bucket_numel``, checked; the bucket size to use
+    (``default``, the class's, when ``bucket_numel`` is None)."""
+    if not isinstance(overlap, bool):
+        raise TypeError(f"overlap must be True or False, got {overlap!r}")
+    if bucket_numel is None:
+        return default
+    if isinstance(bucket_numel, bool) or not isinstance(bucket_numel, int):
+        raise TypeError(f"bucket_numel must be an int, got {type(bucket_numel).__name__}")
+    if bucket_numel < 1:
+        raise ValueError(f"Invalid bucket_numel: {bucket_numel} (must be >= 1)")
+    return bucket_numel

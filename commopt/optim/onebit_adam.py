@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from commopt.comm import Backend
-from commopt.optim._adam import guarded_adam_update_, momentum_from_grads_, update_moments_
+from commopt.optim._adam import (
+    guarded_adam_update_,
+    momentum_from_grads_,
+    update_moments_,
+    variance_level_of,
+)
 from commopt.optim.base import CompressedOptimizer
 from commopt.optim.config import (
     DEFAULT_FREEZE_STEP,
@@ -17,9 +21,9 @@ from commopt.optim.config import (
     check_adam_arguments,
     document_schedule,
 )
-from commopt.optim.early import Kind
+from commopt.optim.early import WarmupThenMomentum
 from commopt.optim.flat_state import FlatState
-from commopt.optim.freeze import AutoFreezeSettings, VarianceLevel, auto_settings, variance_level
+from commopt.optim.freeze import AutoFreezeSettings, auto_settings
 from commopt.optim.step_guard import step_bound
 
 __all__ = ["OnebitAdam"]
@@ -186,20 +190,18 @@ class OnebitAdam(CompressedOptimizer):
             self._apply_update(state, t, freeze_step)
         automatic = auto_settings(self.config.freeze_step) is not None
         if observed and automatic and math.isinf(freeze_step):
-            self._observe_variance(step, self._variance_level(observed, step))
+            corrected = lambda group: group["bias_correction"]  # noqa: E731
+            self._observe_variance(
+                step, variance_level_of(observed, self.segments, step, corrected)
+            )
 
-    def _early_plan(self) -> _EarlyPlan:
-        return _EarlyPlan(self, self._compress)
+    def _early_plan(self) -> WarmupThenMomentum:
+        # m′ = β1·m + (1−β1)·g exchanged as step() exchanges m; without a gradient m·β1
+        # (momentum_from_grads_)
+        def exchange(state: FlatState, m: torch.Tensor, errors: dict, step: int) -> None:
+            self._compress(state, m, errors)
 
-    def _variance_level(self, states: list[FlatState], t: int) -> VarianceLevel:
-        """Σ_k ln mean(√v̂_k) over the tensors of these buckets (v̂ bias-corrected as used)."""
-        level = VarianceLevel()
-        for state in states:
-            v = state.flat["exp_avg_sq"]
-            for seg, group in self.segments(state):
-                bias = 1 - group["betas"][1] ** t if group["bias_correction"] else 1.0
-                level += variance_level(seg.views(v), bias)
-        return level
+        return WarmupThenMomentum(self.first_step, self.frozen_after, exchange, False)
 
     def _apply_update(self, state: FlatState, t: int, freeze_step: float) -> None:
         """p ← p − η·(m̂/(√v̂ + ε) + λ·p), group by group, with v̂'s bias factor frozen too;
@@ -220,31 +222,3 @@ class OnebitAdam(CompressedOptimizer):
         m = state.flat["exp_avg"]
         segments = self.segments(state)
         guarded_adam_update_(state, segments, m, d, step_sizes, limits, self.config.step_guard)
-
-
-class _EarlyPlan:
-    """1-bit Adam's :class:`~commopt.optim.early.EarlyPlan`: a DDP hook or ``overlap=True`` may
-    average the warmup's gradients and, after it, fold and exchange the momentum."""
-
-    fold_missing_as_zero = False  # momentum_from_grads_: m·β1 without a gradient
-
-    def __init__(self, opt: OnebitAdam, compress: Callable[..., torch.Tensor]) -> None:
-        self._opt, self._compress = opt, compress
-
-    def kind(self, state: FlatState, step: int) -> Kind:
-        t = step - self._opt.first_step(state)
-        return Kind.AVERAGE if t <= self._opt.frozen_after() else Kind.MOMENTUM
-
-    def exchange(
-        self,
-        state: FlatState,
-        m: torch.Tensor,
-        errors: dict[str, torch.Tensor],
-        step: int,
-        staged: object,
-    ) -> None:
-        del step, staged
-        self._compress(state, m, errors)
-
-    def snapshot(self) -> None:
-        return None

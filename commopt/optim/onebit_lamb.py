@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
 
 from commopt.comm import Backend
 from commopt.compressed import NonFiniteError
-from commopt.optim._adam import update_moments_
+from commopt.optim._adam import update_moments_, variance_level_of
 from commopt.optim._lamb import (
     early_sigma,
     exchange_scaled_,
@@ -29,9 +28,9 @@ from commopt.optim.config import (
     check_adam_arguments,
     document_schedule,
 )
-from commopt.optim.early import Kind
+from commopt.optim.early import WarmupThenMomentum
 from commopt.optim.flat_state import FlatState
-from commopt.optim.freeze import AutoFreezeSettings, auto_settings, variance_level
+from commopt.optim.freeze import AutoFreezeSettings, auto_settings
 from commopt.optim.step_guard import bound_step_, guarded_elements, step_bound
 
 __all__ = ["OnebitLamb"]
@@ -238,17 +237,19 @@ class OnebitLamb(CompressedOptimizer):
         if compressing:
             self._compressed_step(compressing)
         if warm and auto_settings(self.config.freeze_step) is not None and math.isinf(freeze_step):
-            level = 0.0
-            for state in warm:
-                v = state.flat["exp_avg_sq"]
-                for seg, group in self.segments(state):
-                    level += variance_level(seg.views(v), 1 - group["betas"][1] ** step)
+            level = variance_level_of(warm, self.segments, step)
             if self._observe_variance(step, level):  # frozen now: v_f starts as v
                 for state in warm:
                     state.buffer("exp_avg_sq_fresh").copy_(state.flat["exp_avg_sq"])
 
-    def _early_plan(self) -> _EarlyPlan:
-        return _EarlyPlan(self, self._compress)
+    def _early_plan(self) -> WarmupThenMomentum:
+        # steps 3–5 on a staged m′ = β1·m + (1−β1)·g: m′ ← C(m′·σ)/σ with the σ of early_sigma;
+        # without a gradient g = 0 through lerp (_exchange_momentum folds gather_grads' zeros)
+        def exchange(state: FlatState, m: torch.Tensor, errors: dict, step: int) -> None:
+            sigma = early_sigma(self, state, step)
+            exchange_scaled_(self._compress, state, m, sigma, errors)
+
+        return WarmupThenMomentum(self.first_step, self.frozen_after, exchange, True)
 
     def _warmup_step(self, state: FlatState, keep_fresh: bool) -> None:
         """LAMB on the averaged gradient; the trust ratios feed the EMA c̄."""
@@ -395,36 +396,3 @@ class OnebitLamb(CompressedOptimizer):
         scale_tensors_(state.bucket, u, scale)
         for p, view in zip(state.bucket.params, state.bucket.views(u), strict=True):
             p.add_(view if p.dtype == view.dtype else view.to(p.dtype))
-
-
-class _EarlyPlan:
-    """1-bit LAMB's :class:`~commopt.optim.early.EarlyPlan`: a DDP hook or ``overlap=True`` may
-    average the warmup's gradients and, in the compression stage, fold the local gradient into
-    a staged momentum and exchange it scaled by σ: both depend on the gradient and the
-    committed state alone."""
-
-    fold_missing_as_zero = True  # _exchange_momentum folds gather_grads' zeros through lerp
-
-    def __init__(self, opt: OnebitLamb, compress: Callable[..., torch.Tensor]) -> None:
-        self._opt, self._compress = opt, compress
-
-    def kind(self, state: FlatState, step: int) -> Kind:
-        t = step - self._opt.first_step(state)
-        return Kind.AVERAGE if t <= self._opt.frozen_after() else Kind.MOMENTUM
-
-    def exchange(
-        self,
-        state: FlatState,
-        m: torch.Tensor,
-        errors: dict[str, torch.Tensor],
-        step: int,
-        staged: object,
-    ) -> None:
-        """Steps 3–5 on a staged m′ = β1·m + (1−β1)·g: m′ ← C(m′·σ)/σ, with the σ of
-        :func:`~commopt.optim._lamb.early_sigma`."""
-        del staged
-        sigma = early_sigma(self._opt, state, step)
-        exchange_scaled_(self._compress, state, m, sigma, errors)
-
-    def snapshot(self) -> None:
-        return None

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
@@ -13,13 +12,15 @@ from commopt.compressed import NonFiniteError
 from commopt.optim._adam import (
     guarded_adam_update_,
     momentum_from_grads_,
-    momentum_step_size,
+    momentum_step_sizes,
     update_moments_,
-    variance_bias_sqrt,
+    variance_denominator,
+    variance_level_of,
     variance_steps_through,
 )
 from commopt.optim._warnings import warn_at_caller
 from commopt.optim._zero_one_schedule import ZeroOneSchedule
+from commopt.optim._zero_one_staged import StagedSync, SyncSteps
 from commopt.optim.base import CompressedOptimizer
 from commopt.optim.config import (
     DEFAULT_FREEZE_STEP,
@@ -27,9 +28,8 @@ from commopt.optim.config import (
     check_adam_arguments,
     document_schedule,
 )
-from commopt.optim.early import Kind, StagedBuffers
 from commopt.optim.flat_state import FlatState
-from commopt.optim.freeze import AutoFreezeSettings, auto_settings, settled_step, variance_level
+from commopt.optim.freeze import AutoFreezeSettings, auto_settings, settled_step
 from commopt.optim.step_guard import bound_step_, guarded_elements, step_bound
 
 __all__ = ["ZeroOneAdam"]
@@ -104,16 +104,12 @@ class ZeroOneAdam(CompressedOptimizer):
             (docs/algorithms/zero_one_adam.md). k and t come from the shared schedule: nothing
             is exchanged or saved for them.
         backend: communication backend; ``None`` resolves as SPEC §5 (``commopt.init()``'s).
-        topology: ``"flat"`` (SPEC §1 over all ranks, default), ``"hierarchical"`` (full
-            precision inside each node, 1 bit between nodes; on gloo the node's ranks share
-            memory, ``COMMOPT_SHARED_MEMORY=0`` to use TCP; docs/hierarchical.md) or
-            ``"auto"`` (hierarchical when there are several nodes of several ranks and a fast
-            path inside the node).
+        topology: ``"flat"`` (default), ``"hierarchical"`` or ``"auto"``, as :class:`OnebitAdam`.
         overlap: start the communication during backward, as soon as a bucket's last
             gradient is accumulated: a variance step's full-precision average, a 1-bit step's
             exchange of the local gradient, and a sync step's local update and exchange, all
             on staged buffers; ``step()`` waits and commits, or redoes a sync whose lr (or
-            other hyperparameter) changed after backward (:meth:`_stage_sync`). Local steps
+            other hyperparameter) changed after backward (:mod:`._zero_one_staged`). Local steps
             send nothing. Bit-identical to ``overlap=False``. Default False. Needs several
             buckets (``bucket_numel``); the conditions are :class:`OnebitAdam`'s; see
             docs/overlap.md.
@@ -199,17 +195,11 @@ class ZeroOneAdam(CompressedOptimizer):
         )
         super().__init__(params, defaults, config, backend, topology)
         self._schedule = self._new_schedule()
+        self._staged_sync = self._new_staged_sync()
         self._set_overlap(overlap, bucket_numel)
 
     def _new_schedule(self) -> ZeroOneSchedule:
-        cfg = self.config
-        return ZeroOneSchedule(
-            self.global_state,
-            self.frozen_after,
-            cfg.var_update_scaler,
-            cfg.local_step_scaler,
-            cfg.local_step_clipper,
-        )
+        return ZeroOneSchedule(self.global_state, self.frozen_after, self.config)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Parameters may join in phase A only: their variance is estimated on the variance
@@ -236,6 +226,7 @@ class ZeroOneAdam(CompressedOptimizer):
     ) -> None:
         super().load_state_dict(state_dict, allow_config_change=allow_config_change)
         self._schedule = self._new_schedule()  # over the loaded global_state
+        self._staged_sync = self._new_staged_sync()
         for group in self.param_groups:  # saved before bias_correction existed: v used as is
             group.setdefault("bias_correction", False)
             if "variance_offset" not in group:  # the variance steps before it joined
@@ -284,17 +275,11 @@ class ZeroOneAdam(CompressedOptimizer):
         it is) lets it freeze only once (1 − β2^k) has settled."""
         gs = self.global_state
         k = gs["variance_updates"] = gs.get("variance_updates", 0) + 1
-        level, settled = 0.0, 1
+        states = [s for s in self.flat_states if self.first_step(s) == 0]
         threshold = self.auto_freeze.threshold
-        for state in self.flat_states:
-            if self.first_step(state) != 0:
-                continue
-            v = state.flat["exp_avg_sq"]
-            for seg, group in self.segments(state):
-                beta2 = group["betas"][1]
-                level += variance_level(seg.views(v), 1 - beta2**k)
-                if not group["bias_correction"]:
-                    settled = max(settled, settled_step(beta2, threshold))
+        uncorrected = [g for s in states for _, g in self.segments(s) if not g["bias_correction"]]
+        settled = max([1] + [settled_step(g["betas"][1], threshold) for g in uncorrected])
+        level = variance_level_of(states, self.segments, k)
         self._observe_variance(step, level, ready=k >= settled)
 
     def _phase_b_step(self, step: int) -> None:
@@ -377,27 +362,14 @@ class ZeroOneAdam(CompressedOptimizer):
                 bound_step_(acc[seg.slice], bound, where)
         acc.add_(p_sync)
 
-    # -- the pure math, per bucket -------------------------------------------------------------
+    # -- the pure math, per bucket (commopt.optim._adam) -------------------------------------
     def _frozen_denominator(self, state: FlatState, updated: bool = False) -> torch.Tensor:
-        """√v̂ + ε, read-only, kept while v does not change: v̂ = v/(1 − β2^k) with
-        ``bias_correction`` (k: the group's variance updates, ``updated``: counting the one of
-        this step, not yet in the schedule), else v as it is (SPEC §4)."""
+        """√v̂ + ε (``updated``: counting this step's variance update, not yet scheduled)."""
         k = self._schedule.variance_updates() + updated
-        bias_sqrt, eps = [], []
-        for _, g in self.segments(state):
-            bias_sqrt.append(
-                variance_bias_sqrt(g["betas"][1], k - g["variance_offset"], g["bias_correction"])
-            )
-            eps.append(g["eps"])
-        return state.denominator(bias_sqrt, eps)
+        return variance_denominator(state, self.segments(state), k)
 
     def _step_sizes(self, step: int) -> list[float]:
-        """η/(1 − β1^t) per param group with ``bias_correction`` (t: steps since the group
-        joined), else η."""
-        return [
-            momentum_step_size(g["lr"], g["betas"][0], step - g["first_step"], g["bias_correction"])
-            for g in self.param_groups
-        ]
+        return momentum_step_sizes(self.param_groups, step)
 
     def _bound(self, group: dict[str, Any]) -> float:
         """B: the step guard's bound on |m̂/(√v̂ + ε)| (``step_guard.step_bound``)."""
@@ -428,136 +400,24 @@ class ZeroOneAdam(CompressedOptimizer):
         guard = self.config.step_guard
         guarded_adam_update_(state, segments, m, d, step_sizes, limits, guard, target)
 
-    # -- overlap=True: the sync staged during backward (commopt.optim.early) -------------------
-    # The thread computes the bucket's local update into a staged p′ (never the parameters),
-    # with the hyperparameters as param_groups hold them then, and runs the sync's exchange on
-    # staged error buffers. step() commits it only if what it read is unchanged (an lr scheduler
-    # that stepped between backward and step() makes it run the sync again, synchronously):
-    # the same bits as overlap=False either way. Not detected: a value changed during backward
-    # and changed back before step(), or a tensor hyperparameter changed in place. Memory: the
-    # staged p′ (the staged-gradient buffer, unused in phase B), at the first sync p_sync too.
-    def _early_plan(self) -> _EarlyPlan:
-        return _EarlyPlan(
-            self._schedule, self.frozen_after, self.overlap, self._early_exchange, self._snapshot
+    # -- overlap=True: the sync staged during backward (commopt.optim._zero_one_staged) -------
+    def _new_staged_sync(self) -> StagedSync:
+        steps = SyncSteps(
+            compress=self._compress,
+            discard_zero_variance=lambda s, m: self._zero_variance_guard.apply_(s, m, warn=False),
+            local_update=self._adam_update,
+            sync_bucket=self._sync_bucket_,
+            step_sizes=self._step_sizes,
+            diverged=_warn_diverged,
         )
+        return StagedSync(self, self._schedule, steps)
 
-    def _snapshot(self) -> tuple[Any, ...]:
-        """What a staged sync reads besides the buffers: every group's hyperparameters (a
-        tensor by identity), s, the phase flag."""
-        groups = tuple(
-            tuple((k, id(v) if torch.is_tensor(v) else v) for k, v in sorted(g.items()))
-            for g in ({k: v for k, v in g.items() if k != "params"} for g in self.param_groups)
-        )
-        gs = self.global_state
-        return groups, tuple(gs["lrs"]), gs["local_started"]
-
-    @torch.no_grad()  # (grad mode is per thread: the communication thread's too)
-    def _early_exchange(
-        self,
-        state: FlatState,
-        m: torch.Tensor,
-        errors: dict[str, torch.Tensor],
-        step: int,
-        staged: StagedBuffers,
-    ) -> object:
-        """Phase A: the gradient at one bit. A sync step: the bucket's local update and sync
-        on staged buffers, m′ (folded) → m, a staged p′ → p, ``errors`` (staged copies), as
-        ``_phase_b_step`` and ``_sync`` would write them; returns (what it read, diverged)."""
-        if step <= self.frozen_after():
-            self._compress(state, m, errors)
-            return None
-        gs, snapshot = self.global_state, self._snapshot()
-        entry = not gs["local_started"]
-        p = staged.gradient(state)  # the staged p′, then a, then p_sync + a/(√v̂ + ε)
-        state.gather_params(p)
-        if entry:  # phase B starts: p_sync = p, error feedback starts over
-            p_sync = staged.sync_base(state).copy_(p)
-            for e in errors.values():
-                e.zero_()
-        else:
-            p_sync = state.flat["p_sync"]
-        self._zero_variance_guard.apply_(state, m, warn=False)
-        self._adam_update(state, step, m=m, target=p)
-        lrs = list(gs["lrs"]) if not entry else []
-        lrs += [0.0] * (len(self.param_groups) - len(lrs))
-        lrs = [s + eta for s, eta in zip(lrs, self._step_sizes(step), strict=True)]
-        try:
-            self._sync_bucket_(state, p.sub_(p_sync), m, p_sync, lrs, errors)
-        except NonFiniteError:  # on every rank alike: step() returns this bucket to p_sync
-            return snapshot, True
-        return snapshot, False
+    def _early_plan(self) -> StagedSync:
+        return self._staged_sync
 
     def _commit_staged_sync(self, step: int) -> bool:
-        """In ``step()``, before ``_phase_b_step`` changes anything: commit the staged sync of
-        step ``step`` if the hyperparameters it read are unchanged (buckets not staged yet are
-        staged now, in layout order); False: nothing staged, or something changed — the caller
-        runs the sync synchronously (the staged work is dropped when ``step()`` ends)."""
-        work = self._early
-        if not self.overlap or work is None or not work.started_any(step):
-            return False
-        now, states = self._snapshot(), self.flat_states
-        for state in states:
-            st = work.current(state, step)
-            if st is None:
-                continue
-            if (st.outcome is not None and st.outcome[0] != now) or st.seen not in (None, now):
-                return False
-        outcomes = [work.complete(state, step).outcome for state in states]
-        gs = self.global_state
-        entry = not gs["local_started"]
-        diverged = False
-        for state, (_, failed) in zip(states, outcomes, strict=True):
-            if entry:
-                state.reset_comm()
-            if failed:
-                base = work.buffers.sync_base(state) if entry else state.flat["p_sync"]
-                state.set_params(base)
-                if entry:
-                    state.buffer("p_sync").copy_(base)
-                state.flat["exp_avg"].zero_()
-                diverged = True
-                continue
-            state.set_params(work.buffers.gradient(state))
-            state.flat["exp_avg"].copy_(work.buffers.momentum(state))
-            work.buffers.swap_errors_into(state)
-            state.gather_params(state.buffer("p_sync"))  # p as stored
-        if entry:
-            gs["lrs"] = [0.0] * len(self.param_groups)
-            gs["local_started"] = True
-        if diverged:
-            gs["skipped_steps"] += 1
-            _warn_diverged()
-        return True
-
-
-class _EarlyPlan:
-    """0/1 Adam's :class:`~commopt.optim.early.EarlyPlan`: a variance step's average and a
-    1-bit step's gradient exchange may start during backward (DDP hook or overlap); with
-    ``overlap=True`` also a sync step, staged. Local steps send nothing; the DDP hook leaves
-    syncs to ``step()`` (docs/ddp.md)."""
-
-    fold_missing_as_zero = False
-
-    def __init__(
-        self,
-        schedule: ZeroOneSchedule,
-        frozen_after: Callable[[], float],
-        overlap: bool,
-        exchange: Callable[..., object],
-        snapshot: Callable[[], object],
-    ) -> None:
-        self._schedule, self._frozen_after, self._overlap = schedule, frozen_after, overlap
-        self.exchange, self.snapshot = exchange, snapshot
-
-    def kind(self, state: FlatState, step: int) -> Kind | None:
-        if self._schedule.is_variance_step(step):
-            return Kind.AVERAGE
-        if step <= self._frozen_after():
-            return Kind.GRADIENT
-        if self._overlap and self._schedule.is_sync_step(step):
-            if all(p.dtype == torch.float32 for p in state.bucket.params):
-                return Kind.SYNC
-        return None
+        """overlap: commit the sync staged during backward (False: run it now)."""
+        return self.overlap and self._staged_sync.commit(self.early_work, step)
 
 
 def _warn_diverged() -> None:

@@ -130,18 +130,18 @@ def _train(
                 if k < micro - 1 and not sync_every_pass:
                     with opt.no_sync():
                         torch.nn.functional.mse_loss(model(x), y).div(micro).backward()
-                    if opt._overlap:
+                    if opt.overlap:
                         calls_in_no_sync.append((backend.stats - before).calls)
                 else:
                     torch.nn.functional.mse_loss(model(x), y).div(micro).backward()
             if step == change[0]:
                 for group in opt.param_groups:
                     group[change[1]] = change[2]
-            if opt._overlap:
+            if opt.overlap:
                 saved = (_flat(model).clone(), _state(opt))
                 stats = opt.comm_stats()
             opt.step()
-            if opt._overlap:
+            if opt.overlap:
                 after = opt.comm_stats()
                 full_in_step.append(after["full_precision_rounds"] - stats["full_precision_rounds"])
                 compressed_in_step.append(after["compressed_rounds"] - stats["compressed_rounds"])

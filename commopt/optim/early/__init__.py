@@ -49,7 +49,7 @@ its plan's exchange, in :mod:`commopt.optim.zero_one_adam`.
 
 from commopt.optim.early._hooks import GradientHooks
 from commopt.optim.early._order import ExchangeSchedule
-from commopt.optim.early._plan import EarlyPlan, Kind
+from commopt.optim.early._plan import EarlyPlan, Kind, WarmupThenMomentum
 from commopt.optim.early._reads import EarlyReads, after_ddp_backward
 from commopt.optim.early._staged import StagedBuffers, StagedWork
 from commopt.optim.early._thread import CommThread
@@ -65,5 +65,6 @@ __all__ = [
     "Kind",
     "StagedBuffers",
     "StagedWork",
+    "WarmupThenMomentum",
     "after_ddp_backward",
 ]

@@ -4,6 +4,7 @@ to exchange it (the :class:`EarlyPlan` protocol)."""
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
@@ -12,7 +13,7 @@ if TYPE_CHECKING:
     from commopt.optim.early._staged import StagedBuffers
     from commopt.optim.flat_state import FlatState
 
-__all__ = ["EarlyPlan", "Kind"]
+__all__ = ["EarlyPlan", "Kind", "WarmupThenMomentum"]
 
 
 class Kind(str, enum.Enum):
@@ -62,3 +63,44 @@ class EarlyPlan(Protocol):
         """What staged work reads from the hyperparameters, taken on the main thread when a
         bucket's job is queued (compared in ``step()``); None: nothing."""
         ...
+
+
+class WarmupThenMomentum:
+    """The plan of 1-bit Adam and 1-bit LAMB: the warmup's gradient average (:attr:`Kind.AVERAGE`)
+    and, after it, the momentum folded and exchanged at one bit (:attr:`Kind.MOMENTUM`), both
+    functions of the gradient and the committed state alone.
+
+    Args:
+        first_step: the step before a bucket's parameters joined (each group warms up anew).
+        frozen_after: the last warmup step, as it is now.
+        exchange: ``exchange(state, m, errors, step)``, the algorithm's exchange of a staged m′.
+        fold_missing_as_zero: see :class:`EarlyPlan`.
+    """
+
+    def __init__(
+        self,
+        first_step: Callable[[FlatState], int],
+        frozen_after: Callable[[], float],
+        exchange: Callable[[FlatState, torch.Tensor, dict[str, torch.Tensor], int], None],
+        fold_missing_as_zero: bool,
+    ) -> None:
+        self._first_step, self._frozen_after, self._exchange = first_step, frozen_after, exchange
+        self.fold_missing_as_zero = fold_missing_as_zero
+
+    def kind(self, state: FlatState, step: int) -> Kind:
+        t = step - self._first_step(state)  # a group added later runs its own warmup
+        return Kind.AVERAGE if t <= self._frozen_after() else Kind.MOMENTUM
+
+    def exchange(
+        self,
+        state: FlatState,
+        m: torch.Tensor,
+        errors: dict[str, torch.Tensor],
+        step: int,
+        staged: StagedBuffers,
+    ) -> None:
+        del staged
+        self._exchange(state, m, errors, step)
+
+    def snapshot(self) -> None:
+        return None

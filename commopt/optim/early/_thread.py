@@ -40,12 +40,13 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from commopt.comm.channels import on_channel
+from commopt.comm.channels import on_channel, open_channel
 
 __all__ = ["CommThread"]
 
@@ -99,6 +100,18 @@ class CommThread:
         self.busy_seconds = 0.0
 
     # -- the main thread's side -----------------------------------------------------------------
+    @classmethod
+    def opened(cls, name: str, backend: Any, owner: object) -> CommThread:
+        """A thread with its own channel on ``backend``, opened now: collectively, while every
+        rank builds the optimizer (not at the first job, which a rank that skips that backward
+        pass would never reach); closed, with its channel, when ``owner`` is collected."""
+        thread = cls(name)
+        weakref.finalize(owner, thread.close)
+        thread.channel, closer = open_channel(backend)
+        if closer is not None:
+            thread.on_close.append(closer)
+        return thread
+
     def reserve(self, count: int) -> int:
         """Hand out ``count`` consecutive tickets; returns the first."""
         with self._cond:

@@ -24,8 +24,6 @@ if TYPE_CHECKING:
 
 __all__ = ["EarlyWork"]
 
-AVERAGE, MOMENTUM, GRADIENT = Kind.AVERAGE, Kind.MOMENTUM, Kind.GRADIENT
-
 
 class EarlyWork:
     """The staged early work of one optimizer (see the module docstring)."""
@@ -78,20 +76,16 @@ class EarlyWork:
             self._staged.clear()
             self._buffers.clear()
 
-    def next_step(self) -> int:
-        """The step the work is for: the optimizer's next ``step()``."""
-        return self._next_step()
-
     def plan(self, params: Sequence[torch.Tensor]) -> list[Kind | None]:
         """Per parameter: :data:`AVERAGE` (average its gradient now: its step does so, or this
         optimizer does not own it, so its owner expects DDP's average), :data:`MOMENTUM`,
         :data:`GRADIENT`, or ``None`` (leave the gradient local: ``step()`` communicates)."""
-        step = self.next_step()
+        step = self._next_step()
         kinds: list[Kind | None] = []
         for p in params:
             where = self.locate(p)
-            kind = AVERAGE if where is None else self._plan.kind(where[0], step)
-            if self.declined and (self.threaded or kind != AVERAGE):
+            kind = Kind.AVERAGE if where is None else self._plan.kind(where[0], step)
+            if self.declined and (self.threaded or kind != Kind.AVERAGE):
                 kind = None  # what it read kept changing after backward: step() does it
             kinds.append(kind)
         return kinds
@@ -105,7 +99,7 @@ class EarlyWork:
         self.declined = True
 
     def _staged_for(self, state: FlatState) -> StagedWork:
-        step = self.next_step()
+        step = self._next_step()
         st = self._staged.get(id(state))
         if st is None or st.step != step:
             st = self._staged[id(state)] = StagedWork(step, self._schedule.round)
@@ -131,17 +125,6 @@ class EarlyWork:
             schedule.wait(st.ticket)
         st.reset(schedule.round)
 
-    def _submit(
-        self,
-        state: FlatState,
-        st: StagedWork,
-        job: Callable[[], None],
-        cancel: Callable[[BaseException], None] | None = None,
-    ) -> None:
-        """Queue the bucket's job at its position of the open round, on the thread's own
-        channel (opened when the optimizer was built)."""
-        st.ticket = self._schedule.submit(state, job, cancel)
-
     def drain(self, agree: bool = False) -> None:
         """Close the open round and wait until the communication thread has run all of it;
         raise the error of any job that failed (after cancelling those behind it). Called by
@@ -165,7 +148,7 @@ class EarlyWork:
         zeroed staged buffers; whatever it computes is dropped with the redone step."""
         state = (self._layout or [])[b]
         st = self._staged_for(state)
-        if self._plan.kind(state, st.step) == AVERAGE:
+        if self._plan.kind(state, st.step) == Kind.AVERAGE:
             st.arrived.clear()
             self._buffers.gradient(state).zero_()
             st.future = device_future(state.bucket.device)
@@ -173,7 +156,7 @@ class EarlyWork:
             return
         self._buffers.momentum(state).zero_()
         st.seen = self._plan.snapshot()
-        self._submit(state, st, functools.partial(self._exchange, state, st))
+        st.ticket = self._schedule.submit(state, functools.partial(self._exchange, state, st))
 
     def settle(self) -> None:
         """Wait until the thread has run every job it can run now (not those behind a ticket
@@ -270,7 +253,7 @@ class EarlyWork:
             def job() -> None:
                 placeholder.set_result(all_reduce_async(backend, buf, "avg").wait())
 
-            self._submit(state, st, job, placeholder.set_exception)
+            st.ticket = self._schedule.submit(state, job, placeholder.set_exception)
             return
         started = all_reduce_async(backend, buf, "avg")
 
@@ -298,7 +281,7 @@ class EarlyWork:
                 raise RuntimeError("fold: the parameter does not belong to this optimizer")
             state, i = where
             st = self._staged_for(state)
-            if self._plan.kind(state, st.step) == MOMENTUM:
+            if self._plan.kind(state, st.step) == Kind.MOMENTUM:
                 self._buffers.drop_gradient(state)  # no later step averages this bucket again
             if threaded:
                 self._restart(st, st.folded, i)
@@ -316,13 +299,15 @@ class EarlyWork:
         for state, st in complete:
             if threaded:
                 st.seen = self._plan.snapshot()  # on the main thread, during backward
-                self._submit(state, st, functools.partial(self._exchange, state, st))
+                st.ticket = self._schedule.submit(
+                    state, functools.partial(self._exchange, state, st)
+                )
             else:
                 self._exchange(state, st)
 
     def _fold_one(self, state: FlatState, i: int, g: torch.Tensor | None, step: int) -> None:
         """One parameter into the staged momentum, as ``step()`` would (:func:`fold_param_`)."""
-        gradient = self._plan.kind(state, step) == GRADIENT
+        gradient = self._plan.kind(state, step) == Kind.GRADIENT
         staged, missing_as_zero = self._buffers.momentum(state), self._plan.fold_missing_as_zero
         fold_param_(state, i, g, staged, self._groups_of(), gradient, missing_as_zero)
 
