@@ -35,11 +35,15 @@ import torch
 import commopt
 
 __all__ = [
+    "BY_NAME",
+    "DEVICES",
+    "MODES",
     "OPTIMIZERS",
     "ErrorCase",
     "OptimizerInfo",
     "Phase",
     "batch",
+    "devices",
     "flat_params",
     "make_groups",
     "make_model",
@@ -50,6 +54,28 @@ __all__ = [
     "state_dict_diff",
     "train_step",
 ]
+
+#: How an optimizer runs, and the constructor options each mode adds (:meth:`OptimizerInfo.make`):
+#: standalone; ``overlap=True`` (its communication starts from gradient hooks, on a thread);
+#: under DDP with commopt's hook (the optimizer is built standalone, the test registers
+#: ``commopt.ddp.onebit_hook`` on its DDP model); the hierarchical topology; EControl error
+#: feedback. Every mode but EControl is bit-identical to the standalone optimizer.
+MODES: Mapping[str, Mapping[str, Any]] = {
+    "standalone": {},
+    "overlap": {"overlap": True},
+    "ddp-hook": {},
+    "hierarchical": {"topology": "hierarchical"},
+    "econtrol": {"error_feedback": "econtrol"},
+}
+
+#: Where an optimizer runs: its parameters' device. ``"cuda"`` only where a GPU is visible
+#: (:func:`devices`).
+DEVICES = ("cpu", "cuda")
+
+
+def devices() -> list[str]:
+    """The devices of :data:`DEVICES` this process can use."""
+    return [d for d in DEVICES if d == "cpu" or torch.cuda.is_available()]
 
 
 # -- the registry --------------------------------------------------------------------------------
@@ -118,6 +144,10 @@ class OptimizerInfo:
             torch's ``optim_inputs_func``: the generic tests run the main config, some of them
             these too.
         extra_global_keys: ``global_state`` keys besides ``step`` and ``skipped_steps``.
+        backward_config: the schedule of the tests of work started during backward (overlap,
+            the DDP hook), whose models take several buckets: 8 steps that visit every phase
+            (1-bit Adam and LAMB: warmup 1–3, compression 4–8; 0/1 Adam: variance steps 1, 2, 4
+            and 1-bit steps 3, 5, then phase B with syncs at 6 and 8), with weight decay.
     """
 
     name: str
@@ -129,10 +159,16 @@ class OptimizerInfo:
     state_keys: tuple[str, ...] = ("exp_avg", "exp_avg_sq")
     variants: tuple[Mapping[str, Any], ...] = ()
     extra_global_keys: tuple[str, ...] = field(default=())
+    backward_config: Mapping[str, Any] = field(default_factory=dict)
 
-    def make(self, params: Any, **overrides: Any) -> torch.optim.Optimizer:
-        """The optimizer on ``params`` with the test config (``overrides`` win)."""
-        return self.cls(params, **{**self.config, **overrides})
+    def make(
+        self, params: Any, *, mode: str = "standalone", backward: bool = False, **overrides: Any
+    ) -> torch.optim.Optimizer:
+        """The optimizer on ``params`` in ``mode`` (:data:`MODES`) with the test config, or with
+        ``backward`` the backward-time tests' config (``overrides`` win). Its device is the
+        parameters'."""
+        config = self.backward_config if backward else self.config
+        return self.cls(params, **{**config, **MODES[mode], **overrides})
 
     def phases(self, steps: int | None = None) -> list[Phase]:
         return self.schedule(self.config, self.steps if steps is None else steps)
@@ -281,6 +317,7 @@ OPTIMIZERS: tuple[OptimizerInfo, ...] = (
             *_step_count_errors("freeze_step", _FREEZE_WHY),
         ),
         variants=({"bias_correction": False, "weight_decay": 0.02, "eps": 1e-6},),
+        backward_config={"lr": 0.02, "freeze_step": 3, "weight_decay": 0.01},
     ),
     OptimizerInfo(
         name="OnebitLamb",
@@ -319,6 +356,7 @@ OPTIMIZERS: tuple[OptimizerInfo, ...] = (
         variants=(
             {"weight_decay": 0.02, "factor_threshold": 0.3, "max_coeff": 0.5, "coeff_beta": 0.5},
         ),
+        backward_config={"lr": 0.02, "freeze_step": 3, "weight_decay": 0.01},
     ),
     OptimizerInfo(
         name="ZeroOneAdam",
@@ -353,8 +391,19 @@ OPTIMIZERS: tuple[OptimizerInfo, ...] = (
             "local_started",
             "lrs",
         ),
+        backward_config={
+            "lr": 0.02,
+            "weight_decay": 0.01,
+            "var_freeze_step": 5,
+            "var_update_scaler": 2,
+            "local_step_scaler": 1,
+            "local_step_clipper": 2,
+        },
     ),
 )
+
+#: the registry by name
+BY_NAME: Mapping[str, OptimizerInfo] = {info.name: info for info in OPTIMIZERS}
 
 
 # -- model, data, training -----------------------------------------------------------------------

@@ -304,7 +304,7 @@ class OnebitLamb(CompressedOptimizer):
         self, state: FlatState, done: list[tuple[FlatState, dict[str, torch.Tensor]]], several: bool
     ) -> None:
         """Steps 1 and 3–5: m_prev = m; m ← C((β1·m + (1−β1)·g)·σ)/σ ⊙ mask (or the m' a
-        DDP hook folded and exchanged during backward, :meth:`_early_exchange`)."""
+        DDP hook folded and exchanged during backward, :meth:`_early_plan`)."""
         m = state.flat["exp_avg"]
         state.scratch("work").copy_(m)  # 1. m_prev
         # With several buckets, an earlier bucket's error buffers must be restorable if a later

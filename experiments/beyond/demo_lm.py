@@ -26,7 +26,7 @@ SMALL = dict(batch=4, hidden=16, embed=8, eval_contexts=64, max_corpus_bytes=2_0
 ADAM = "Adam"
 
 
-def _ranks(variants: list[demo.Variant], cfg: demo.Config) -> dict[str, Any]:
+def train_variants(variants: list[demo.Variant], cfg: demo.Config) -> dict[str, Any]:
     train_data, val_data, _, _ = demo.load_corpus(cfg.max_corpus_bytes)
     eval_sets = demo.fixed_eval_sets(train_data, val_data, cfg)
     out = {}
@@ -56,7 +56,7 @@ def run_demo_variants(
         demo.Variant(label, make, False, lambda c: c.warmup + 1, label)
         for label, make in makers.items()
     ]
-    return launch(_ranks, world_size, variants, cfg, timeout=7200.0)
+    return launch(train_variants, world_size, variants, cfg, timeout=7200.0)
 
 
 def run_seeds(
@@ -77,7 +77,7 @@ def run_seeds(
             for label, make in makers.items()
         ]
         cfg = demo.Config(seed=seed, **config)
-        per_seed[seed] = launch(_ranks, world_size, variants, cfg, timeout=7200.0)
+        per_seed[seed] = launch(train_variants, world_size, variants, cfg, timeout=7200.0)
         print(seed, {k: v for k, v in per_seed[seed].items() if k != "_machine"}, flush=True)
     return per_seed
 

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 import commopt
-from experiments.beyond.demo_lm import SMALL, _ranks, seed_table
+from experiments.beyond.demo_lm import SMALL, seed_table, train_variants
 from experiments.common import describe_machine, launch
 from experiments.demo import train_bytelm as demo
 
@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     for seed in seeds:
         cfg = demo.Config(steps=args.steps, warmup=args.warmup, seed=seed, **extra)
         variants = [_variant(label) for label in labels]
-        per_seed[seed] = launch(_ranks, args.ranks, variants, cfg, timeout=7200.0)
+        per_seed[seed] = launch(train_variants, args.ranks, variants, cfg, timeout=7200.0)
         print(seed, {k: v for k, v in per_seed[seed].items() if k != "_machine"}, flush=True)
     lines = [
         "## 0/1 Adam's bias correction on the demo byte LM",

@@ -9,31 +9,20 @@ where the state lives and the Adam/LAMB math on the device, not the compressed e
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
 if not torch.cuda.is_available():
     pytest.skip("no CUDA GPU visible to torch", allow_module_level=True)
 
-import commopt
 from commopt.comm import SingleProcessBackend
+from tests.optim_registry import OPTIMIZERS
 
+#: name → factory(params): the registry's test config, one process
 FACTORIES = {
-    "OnebitAdam": lambda p: commopt.OnebitAdam(
-        p, lr=1e-2, freeze_step=2, backend=SingleProcessBackend()
-    ),
-    "OnebitLamb": lambda p: commopt.OnebitLamb(
-        p, lr=1e-2, freeze_step=2, backend=SingleProcessBackend()
-    ),
-    "ZeroOneAdam": lambda p: commopt.ZeroOneAdam(
-        p,
-        lr=1e-2,
-        var_freeze_step=3,
-        var_update_scaler=1,
-        local_step_scaler=1,
-        local_step_clipper=2,
-        backend=SingleProcessBackend(),
-    ),
+    info.name: functools.partial(info.make, backend=SingleProcessBackend()) for info in OPTIMIZERS
 }
 
 

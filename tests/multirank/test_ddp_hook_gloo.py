@@ -9,6 +9,7 @@ error buffers), and the DDP replicas must be identical across ranks.
 from __future__ import annotations
 
 import copy
+import functools
 import warnings
 
 import pytest
@@ -17,10 +18,15 @@ from torch.nn.parallel import DistributedDataParallel
 
 import commopt
 from tests.multirank.harness import RankError, run_ranks
+from tests.optim_registry import OPTIMIZERS as REGISTRY
 
 TIMEOUT = 240
 FREEZE = 3
 STEPS = 8
+
+
+def _registry_make(info, params, backend):
+    return info.make(params, mode="ddp-hook", backward=True, backend=backend)
 
 
 def _model() -> torch.nn.Module:
@@ -35,26 +41,10 @@ def _batch(rank: int, step: int, k: int = 0) -> tuple[torch.Tensor, torch.Tensor
     return torch.randn(5, 6, generator=g), torch.randn(5, 3, generator=g)
 
 
-OPTIMIZERS = {
-    "OnebitAdam": lambda p, be: commopt.OnebitAdam(
-        p, lr=0.02, freeze_step=FREEZE, weight_decay=0.01, backend=be
-    ),
-    # warmup (average) and compression stage (fold, σ-scaled 1-bit exchange) through the hook
-    "OnebitLamb": lambda p, be: commopt.OnebitLamb(
-        p, lr=0.02, freeze_step=FREEZE, weight_decay=0.01, backend=be
-    ),
-    # variance steps (1, 2, 4) averaged and 1-bit steps (3, 5) exchanged through the hook;
-    # phase B (6-8: sync, local, sync) in step()
-    "ZeroOneAdam": lambda p, be: commopt.ZeroOneAdam(
-        p,
-        lr=0.02,
-        var_freeze_step=5,
-        var_update_scaler=2,
-        local_step_scaler=1,
-        local_step_clipper=2,
-        backend=be,
-    ),
-}
+#: name → factory(params, backend): the registry's backward-time config (warmup and compression
+#: stage through the hook; 0/1 Adam's variance steps 1, 2, 4 averaged and 1-bit steps 3, 5
+#: exchanged through it, phase B (6–8) in step())
+OPTIMIZERS = {info.name: functools.partial(_registry_make, info) for info in REGISTRY}
 
 
 def _pair(backend, bucket_cap_mb: float, opt_bucket: int | None, extra: bool, name: str):

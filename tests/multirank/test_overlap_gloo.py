@@ -20,21 +20,21 @@ import torch
 
 import commopt
 from tests.multirank.harness import run_ranks
+from tests.optim_registry import BY_NAME, OPTIMIZERS
 
 TIMEOUT = 240
 FREEZE = 3
 STEPS = 8
-NAMES = ["OnebitAdam", "OnebitLamb", "ZeroOneAdam"]
+NAMES = [info.name for info in OPTIMIZERS]
 #: 0/1 Adam's phase-B sync steps (with overlap on, staged during backward too)
 SYNC_STEPS = (6, 8)
 
 
 def _make(name: str, params, backend, overlap: bool, bucket_numel: int | None, **extra):
-    kw = dict(lr=0.02, weight_decay=0.01, overlap=overlap, bucket_numel=bucket_numel, **extra)
-    if name == "ZeroOneAdam":
-        schedule = dict(var_freeze_step=5, var_update_scaler=2, local_step_scaler=1)
-        return commopt.ZeroOneAdam(params, **schedule, local_step_clipper=2, backend=backend, **kw)
-    return getattr(commopt, name)(params, freeze_step=FREEZE, backend=backend, **kw)
+    """The registry's backward-time config, standalone or with overlap (``extra`` wins)."""
+    mode = "overlap" if overlap else "standalone"
+    kw = dict(bucket_numel=bucket_numel, backend=backend, **extra)
+    return BY_NAME[name].make(params, mode=mode, backward=True, **kw)
 
 
 def _compressed_in_step(name: str, buckets: int) -> list[int]:
