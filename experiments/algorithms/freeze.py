@@ -1,7 +1,7 @@
 r"""Automatic freeze point against a sweep of five fixed freeze steps (1-bit Adam).
 
-    python -m experiments.beyond.freeze --task lm --out experiments/beyond/results
-    python -m experiments.beyond.freeze --task digits --seeds 0,1,2,3,4 --out …
+    python -m experiments.algorithms.freeze --task lm --out experiments/algorithms/results
+    python -m experiments.algorithms.freeze --task digits --seeds 0,1,2,3,4 --out …
 
 4 forked gloo ranks; the convergence suite's tasks, steps, lr and β2 = 0.99 (its defaults,
 experiments/convergence/run.py). Variants: OnebitAdam(freeze_step=F) for F in --sweep and
@@ -18,7 +18,7 @@ import statistics
 import sys
 
 import commopt
-from experiments.beyond.common import plot_curves, run_variants, write_table
+from experiments.algorithms.common import plot_curves, run_variants, write_table
 from experiments.convergence.run import DEFAULTS
 
 OUT = pathlib.Path(__file__).parent / "results"

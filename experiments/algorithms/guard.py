@@ -1,6 +1,6 @@
 r"""The step guard on the demo's byte LM: 0/1 Adam at the paper's β2 = 0.999 and what it costs.
 
-    python -m experiments.beyond.guard --out experiments/beyond/results [--seeds 0,1]
+    python -m experiments.algorithms.guard --out experiments/algorithms/results [--seeds 0,1]
 
 The demo's byte LM (experiments/demo/train_bytelm.py: 300 steps, warmup / var_freeze_step 75,
 lr 2e-3, the demo's ZeroOneAdam schedule), 4 ranks. Every row keeps commopt's zero-variance
@@ -10,7 +10,7 @@ the papers' step), and an ε floor (ε = 1e-6, guard off). 0/1 Adam at β2 = 0.9
 and 0.96 (the demo's 1 − 3/T_v); 1-bit Adam and 1-bit LAMB at their defaults, guard on and off,
 to see what the default costs where nothing diverges. 0/1 Adam runs with
 ``bias_correction=False`` (SPEC §4, the default when this was measured): the guard is measured
-on the uncorrected v it was made for; experiments/beyond/zero_one_bias.py measures the
+on the uncorrected v it was made for; experiments/algorithms/zero_one_bias.py measures the
 correction. Writes ``guard.md`` (one table per seed and a mean over seeds) into ``--out``.
 """
 
@@ -22,7 +22,7 @@ import sys
 from typing import Any
 
 import commopt
-from experiments.beyond.demo_lm import SMALL, run_demo_variants, seed_table
+from experiments.algorithms.demo_lm import SMALL, run_demo_variants, seed_table
 from experiments.demo import train_bytelm as demo
 
 OUT = pathlib.Path(__file__).parent / "results"

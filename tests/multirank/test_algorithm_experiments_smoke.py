@@ -1,4 +1,4 @@
-"""Each experiment of issue 13 (experiments/beyond/*) runs as one command with ``--out`` and
+"""Each experiment of issue 13 (experiments/algorithms/*) runs as one command with ``--out`` and
 writes its results: tiny sizes, a few steps, 2 ranks, so CI keeps the commands working. The
 numbers are not checked (too few steps to mean anything); the tables' rows and finite losses
 are."""
@@ -39,7 +39,7 @@ def _losses(table: str, label: str) -> list[float]:
 
 def test_freeze_digits_two_seeds(tmp_path):
     _run(
-        "experiments.beyond.freeze",
+        "experiments.algorithms.freeze",
         tmp_path,
         *("--task", "digits", "--steps", "8", "--sweep", "3,5", "--seeds", "0,1", "--ranks", "2"),
     )
@@ -53,7 +53,7 @@ def test_freeze_digits_two_seeds(tmp_path):
 
 def test_error_feedback(tmp_path):
     args = ("--steps", "6", "--warmup", "3", "--etas", "0.2", "--ranks", "2")
-    _run("experiments.beyond.error_feedback", tmp_path, *args, "--only", _ef_labels())
+    _run("experiments.algorithms.error_feedback", tmp_path, *args, "--only", _ef_labels())
     table = (tmp_path / "error_feedback_digits.md").read_text()
     assert "OnebitAdam econtrol η=0.2" in table and "OnebitAdam classic" in table
     assert (tmp_path / "error_feedback_digits.png").stat().st_size > 0
@@ -64,13 +64,13 @@ def _ef_labels() -> str:
 
 
 def test_trust_ratio_linear(tmp_path):
-    _run("experiments.beyond.trust_ratio", tmp_path, "--problems", "linear")
+    _run("experiments.algorithms.trust_ratio", tmp_path, "--problems", "linear")
     table = (tmp_path / "trust_ratio_linear.md").read_text()
     assert all(map(math.isfinite, _losses(table, "linear")))
 
 
 def test_auto_others(tmp_path):
-    _run("experiments.beyond.auto_others", tmp_path, "--steps", "4", "--ranks", "2")
+    _run("experiments.algorithms.auto_others", tmp_path, "--steps", "4", "--ranks", "2")
     table = (tmp_path / "auto_lm_others.md").read_text()
     assert "OnebitLamb auto frozen" in table and "ZeroOneAdam auto, no bias correction" in table
 
@@ -78,7 +78,7 @@ def test_auto_others(tmp_path):
 @pytest.mark.parametrize("variant", ["ZeroOneAdam β2=0.999 guard=tiny", "OnebitLamb guard=off"])
 def test_guard(tmp_path, variant):
     small = ("--small", "--steps", "8", "--warmup", "3", "--ranks", "2", "--seeds", "0,1")
-    _run("experiments.beyond.guard", tmp_path, *small, "--variants", variant)
+    _run("experiments.algorithms.guard", tmp_path, *small, "--variants", variant)
     table = (tmp_path / "guard.md").read_text()
     assert f"| {variant} |" in table and "val loss seed 1" in table
 
@@ -86,7 +86,7 @@ def test_guard(tmp_path, variant):
 def test_zero_one_bias(tmp_path):
     variants = "Adam,ZeroOneAdam β2=0.999 T_v=75 bias_correction=on"
     small = ("--small", "--steps", "8", "--warmup", "3", "--ranks", "2", "--seeds", "0,1")
-    _run("experiments.beyond.zero_one_bias", tmp_path, *small, "--variants", variants)
+    _run("experiments.algorithms.zero_one_bias", tmp_path, *small, "--variants", variants)
     table = (tmp_path / "zero_one_bias.md").read_text()
     for label in variants.split(","):
         losses = _losses(table, label)
@@ -95,16 +95,16 @@ def test_zero_one_bias(tmp_path):
 
 def test_error_feedback_lm(tmp_path):
     small = ("--small", "--steps", "8", "--warmup", "3", "--ranks", "2", "--seeds", "0")
-    _run("experiments.beyond.error_feedback_lm", tmp_path, *small)
+    _run("experiments.algorithms.error_feedback_lm", tmp_path, *small)
     table = (tmp_path / "error_feedback_lm.md").read_text()
     assert "| OnebitAdam econtrol η=0.2 |" in table and "| OnebitAdam classic |" in table
 
 
 def test_freeze_rules_replay_and_run(tmp_path):
-    _run("experiments.beyond.freeze_rules", tmp_path)
+    _run("experiments.algorithms.freeze_rules", tmp_path)
     replay = (tmp_path / "freeze_rules_replay.md").read_text()
     assert "| signal anchor 6·t_n |" in replay and "| log-range τ=0.05 (today) |" in replay
     args = ("--run", "snr-anchor", "--task", "digits", "--seeds", "0", "--steps", "8")
-    _run("experiments.beyond.freeze_rules", tmp_path, *args, "--sweep", "3")
+    _run("experiments.algorithms.freeze_rules", tmp_path, *args, "--sweep", "3")
     table = (tmp_path / "freeze_rule_snr-anchor_digits_8steps.md").read_text()
     assert all(map(math.isfinite, _losses(table, "rule snr-anchor"))), table

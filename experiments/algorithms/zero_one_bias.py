@@ -1,6 +1,6 @@
 r"""0/1 Adam's bias correction on the demo's byte LM, against Adam.
 
-    python -m experiments.beyond.zero_one_bias --seeds 0,1 --out experiments/beyond/results
+    python -m experiments.algorithms.zero_one_bias --seeds 0,1 --out experiments/algorithms/results
 
 The demo's byte LM (experiments/demo/train_bytelm.py: 300 steps, lr 2e-3), 4 ranks, the guard
 experiment's 0/1 Adam schedule (var_freeze_step 75, var_update_scaler 16, local_step_scaler
@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 import commopt
-from experiments.beyond.demo_lm import SMALL, seed_table, train_variants
+from experiments.algorithms.demo_lm import SMALL, seed_table, train_variants
 from experiments.common import describe_machine, launch
 from experiments.demo import train_bytelm as demo
 

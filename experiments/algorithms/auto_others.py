@@ -1,6 +1,6 @@
 r"""1-bit LAMB and 0/1 Adam with the automatic freeze on the convergence suite's LM task.
 
-    python -m experiments.beyond.auto_others --out experiments/beyond/results
+    python -m experiments.algorithms.auto_others --out experiments/algorithms/results
 
 OnebitLamb(freeze_step="auto") with its default trust ratio ("max") and the paper's ("frozen"),
 and ZeroOneAdam(var_freeze_step="auto", local_step_scaler=75) with its default bias correction
@@ -15,7 +15,7 @@ import pathlib
 import sys
 
 import commopt
-from experiments.beyond.common import run_variants, write_table
+from experiments.algorithms.common import run_variants, write_table
 from experiments.convergence.run import DEFAULTS
 
 OUT = pathlib.Path(__file__).parent / "results"

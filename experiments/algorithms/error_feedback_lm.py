@@ -1,10 +1,11 @@
 r"""EControl against classic error feedback on the demo's byte LM (every rank the same data mix).
 
-    python -m experiments.beyond.error_feedback_lm --seeds 0 --out experiments/beyond/results
+    python -m experiments.algorithms.error_feedback_lm --seeds 0 \
+        --out experiments/algorithms/results
 
-The counterpart of ``experiments.beyond.error_feedback`` (heterogeneous digits, where EControl
-helps) on homogeneous data: the demo's byte LM (experiments/demo/train_bytelm.py, 300 steps,
-lr 2e-3, 4 ranks), OnebitAdam with the demo's ``freeze_step`` and ``error_feedback="classic"``
+The counterpart of ``experiments.algorithms.error_feedback`` (heterogeneous digits, where
+EControl helps) on homogeneous data: the demo's byte LM (experiments/demo/train_bytelm.py, 300
+steps, lr 2e-3, 4 ranks), OnebitAdam with the demo's ``freeze_step`` and ``error_feedback="classic"``
 or ``"econtrol"`` at several η, and ``torch.optim.Adam`` as the reference. Writes
 ``error_feedback_lm.md`` into ``--out``; docs/algorithms/error_feedback.md has the figures.
 """
@@ -18,7 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 import commopt
-from experiments.beyond.demo_lm import ADAM, SMALL, run_seeds, seed_table
+from experiments.algorithms.demo_lm import ADAM, SMALL, run_seeds, seed_table
 from experiments.common import describe_machine
 from experiments.demo import train_bytelm as demo
 

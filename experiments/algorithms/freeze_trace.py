@@ -1,6 +1,6 @@
 r"""Traces behind the automatic freeze rule: how v moves, before and after a freeze.
 
-    python -m experiments.beyond.freeze_trace --task digits --seed 0 --out /tmp/trace
+    python -m experiments.algorithms.freeze_trace --task digits --seed 0 --out /tmp/trace
 
 Variants (4 forked gloo ranks, the convergence suite's settings, β2 = 0.99):
 

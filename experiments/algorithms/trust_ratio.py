@@ -1,8 +1,9 @@
 r"""1-bit LAMB with frozen (SPEC §3), tracking and max trust ratios, and LAMB, on three problems.
 
-    python -m experiments.beyond.trust_ratio               # linear, mlp and lm
-    python -m experiments.beyond.trust_ratio --problems linear,mlp --out experiments/beyond/results
-    python -m experiments.beyond.trust_ratio --problems linear --seed 1   # another seed
+    python -m experiments.algorithms.trust_ratio               # linear, mlp and lm
+    python -m experiments.algorithms.trust_ratio --problems linear,mlp \
+        --out experiments/algorithms/results
+    python -m experiments.algorithms.trust_ratio --problems linear --seed 1   # another seed
 
 The problems of docs/algorithms/onebit_lamb.md, 4 ranks each, every rank on its own shard:
 
@@ -26,7 +27,7 @@ import sys
 import torch
 
 from commopt import OnebitLamb
-from experiments.beyond.demo_lm import run_demo_variants
+from experiments.algorithms.demo_lm import run_demo_variants
 from experiments.demo.train_bytelm import Config
 from tests.multirank.harness import run_ranks
 from tests.multirank.test_lamb_zero_one_gloo import (

@@ -1,17 +1,17 @@
 r"""Candidate automatic freeze rules, replayed on traces and (optionally) run for real.
 
-    python -m experiments.beyond.freeze_rules                      # replay: rule × task × seed
-    python -m experiments.beyond.freeze_rules --run snr-anchor --task digits --seeds 0,1,2,3,4
-    python -m experiments.beyond.freeze_rules --run snr-anchor --task lm --seeds 0,1,2
-    python -m experiments.beyond.freeze_rules --run snr-anchor --task digits --seeds 0,1,2,3,4 \
+    python -m experiments.algorithms.freeze_rules                      # replay: rule × task × seed
+    python -m experiments.algorithms.freeze_rules --run snr-anchor --task digits --seeds 0,1,2,3,4
+    python -m experiments.algorithms.freeze_rules --run snr-anchor --task lm --seeds 0,1,2
+    python -m experiments.algorithms.freeze_rules --run snr-anchor --task digits --seeds 0,1,2,3,4 \
         --steps 600 --sweep 300,450,600                            # the run-length check
-    python -m experiments.beyond.freeze_rules --make-traces RAW_DIR [--traces FILE]
+    python -m experiments.algorithms.freeze_rules --make-traces RAW_DIR [--traces FILE]
         # compact RAW_DIR/trace_<task>_seed<S>.json (freeze_trace --variants adam [--steps N])
         # into FILE (default: the committed freeze_traces.json), then replay it
 
 Replay writes ``freeze_rules_replay.md`` (``<FILE stem>_replay.md`` for another traces file),
 real runs ``freeze_rule_<rule>_<task>[_<N>steps].{md,json}``, into ``--out`` (default
-experiments/beyond/results).
+experiments/algorithms/results).
 
 Question (issue 13): can a rule computed only from quantities every rank holds alike during the
 warmup (the Adam state m, v of the *averaged* gradient and the step count: no message) freeze
@@ -19,11 +19,11 @@ warmup (the Adam state m, v of the *averaged* gradient and the step count: no me
 and a fixed freeze at 175–250 is best there) and still at ~90–150 on the LM (where v settles
 and F = 120 is best)? docs/algorithms/auto_freeze.md ("Other rules tried") has the answer.
 
-**Replay.** ``freeze_traces.json`` (in experiments/beyond/results) holds, per task and seed, the
+**Replay.** ``freeze_traces.json`` (in experiments/algorithms/results) holds, per task and seed, the
 Adam reference's per-step
     x_t = (1/K) Σ_k ln mean(√v̂_k)             (today's statistic, from a float64 shadow v)
     q_t = (1/K) Σ_k mean(m̂_k²) / mean(v̂_k)    (the signal share of the gradient)
-recorded by ``experiments.beyond.freeze_trace --variants adam`` (the warmup is that Adam, and
+recorded by ``experiments.algorithms.freeze_trace --variants adam`` (the warmup is that Adam, and
 it does not depend on the freeze step, so a rule's decision on the trace is its decision in a
 run). Each rule below is a stand-alone object with ``observe(step, x, q) -> bool`` (True from
 the step it froze on); ``replay`` feeds it a trace. Target bands: digits 175–299 (a denser fixed
@@ -48,7 +48,7 @@ from typing import Any
 
 import commopt
 from commopt.optim.freeze import VarianceLevel
-from experiments.beyond.common import run_variants
+from experiments.algorithms.common import run_variants
 from experiments.convergence.run import DEFAULTS
 
 RESULTS = pathlib.Path(__file__).parent / "results"

@@ -1,6 +1,6 @@
 r"""EControl against classic error feedback when every rank holds different data.
 
-    python -m experiments.beyond.error_feedback            # digits, 4 ranks
+    python -m experiments.algorithms.error_feedback            # digits, 4 ranks
 
 Heterogeneous digits: rank r trains only on the classes c with c mod n == r (at n = 4: {0, 4,
 8}, {1, 5, 9}, {2, 6}, {3, 7}); validation is the usual full, stratified set. In the
@@ -20,7 +20,7 @@ import sys
 import torch
 
 import commopt
-from experiments.beyond.common import plot_curves, run_variants, write_table
+from experiments.algorithms.common import plot_curves, run_variants, write_table
 from experiments.common import rank_and_size
 from experiments.convergence.tasks import DigitsTask
 
