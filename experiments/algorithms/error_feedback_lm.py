@@ -6,8 +6,9 @@ r"""EControl against classic error feedback on the demo's byte LM (every rank th
 The counterpart of ``experiments.algorithms.error_feedback`` (heterogeneous digits, where
 EControl helps) on homogeneous data: the demo's byte LM (experiments/demo/train_bytelm.py, 300
 steps, lr 2e-3, 4 ranks), OnebitAdam with the demo's ``freeze_step`` and
-``error_feedback="classic"`` or ``"econtrol"`` at several η, and ``torch.optim.Adam`` as the reference. Writes
-``error_feedback_lm.md`` into ``--out``; docs/algorithms/error_feedback.md has the figures.
+``error_feedback="classic"`` or ``"econtrol"`` at several η, and ``torch.optim.Adam`` as the
+reference. Writes ``error_feedback_lm.md`` into ``--out``; docs/algorithms/error_feedback.md
+has the figures.
 """
 
 from __future__ import annotations
