@@ -37,7 +37,7 @@ import torch
 from commopt.optim._warnings import warn_at_caller
 from commopt.optim.flat_state import FlatState
 from commopt.optim.freeze import VarianceLevel, variance_level
-from commopt.optim.step_guard import guarded_denominator, guarded_elements
+from commopt.optim.step_guard import guarded_denominator, guarded_elements, step_bound
 
 if TYPE_CHECKING:
     from commopt.buckets import Segment
@@ -47,6 +47,7 @@ __all__ = [
     "ZeroVarianceGuard",
     "adam_update_",
     "apply_exp_avg_mask_",
+    "guard_limits",
     "guarded_adam_update_",
     "momentum_from_grads_",
     "momentum_step_size",
@@ -259,3 +260,19 @@ def variance_level_of(
             bias = 1 - group["betas"][1] ** k if corrected(group) else 1.0
             level += variance_level(seg.views(v), bias)
     return level
+
+
+def guard_limits(
+    segments: Iterable[tuple[Segment, dict[str, Any]]],
+    step_sizes: Sequence[float],
+    step_guard: bool | str,
+) -> list[float]:
+    """0/1 Adam's step-guard limit on |m/d| per segment, so that |m̂/d| ≤ B where the step
+    applies m̂ = m·step_size/η: B·(η/step_size), B itself where step_size = η (bit for bit)."""
+    limits = []
+    for (_, group), step_size in zip(segments, step_sizes, strict=True):
+        bound = step_bound(step_guard, group["betas"], group["bias_correction"])
+        if step_size != group["lr"]:
+            bound *= group["lr"] / step_size
+        limits.append(bound)
+    return limits

@@ -19,10 +19,17 @@ from typing import Any
 import torch
 
 from commopt.comm import Backend
+from commopt.optim._adam import variance_steps_through
 from commopt.optim.config import check_config_change
 from commopt.optim.flat_state import FlatState
 
-__all__ = ["commopt_entry", "keep_state_dtypes", "restore_comm", "split_commopt_entry"]
+__all__ = [
+    "commopt_entry",
+    "keep_state_dtypes",
+    "restore_comm",
+    "split_commopt_entry",
+    "upgrade_zero_one_groups",
+]
 
 
 def commopt_entry(
@@ -136,3 +143,15 @@ def keep_state_dtypes(optimizer: torch.optim.Optimizer, state_dict: dict[str, An
                 and key != "step"
             ):
                 optimizer.state[p][key] = value.to(device=p.device, copy=True)
+
+
+def upgrade_zero_one_groups(groups: list[dict[str, Any]], var_update_scaler: int) -> None:
+    """0/1 Adam's param groups of a state dict saved by an older commopt: without
+    ``bias_correction`` v was used as it is (False); without ``variance_offset`` the group
+    counts the variance steps before it joined (replayed from the schedule)."""
+    for group in groups:
+        group.setdefault("bias_correction", False)
+        if "variance_offset" not in group:
+            group["variance_offset"] = variance_steps_through(
+                group["first_step"], var_update_scaler
+            )

@@ -24,12 +24,13 @@ from commopt.compressed import NonFiniteError
 from commopt.exchange import Exchange
 from commopt.optim._adam import ZeroVarianceGuard, apply_exp_avg_mask_
 from commopt.optim._agreement import GradientAgreement, left_untouched
+from commopt.optim._checks import check_overlap_arguments, check_param_group
 from commopt.optim._communication import Communication
 from commopt.optim._layout import BucketLayout
 from commopt.optim._precision import master_weights, unscale_grads_
 from commopt.optim._resume import commopt_entry, keep_state_dtypes, split_commopt_entry
 from commopt.optim._warnings import warn_averaged_already, warn_redone, warn_skipped
-from commopt.optim.config import ConfigAttributes, check_overlap_arguments, check_param_group
+from commopt.optim.config import ConfigAttributes
 from commopt.optim.early import CommThread, EarlyPlan, EarlyWork, GradientHooks
 from commopt.optim.flat_state import FlatState
 from commopt.optim.freeze import AutoFreeze, FreezePoint, VarianceLevel
@@ -179,10 +180,6 @@ class CompressedOptimizer(ConfigAttributes, torch.optim.Optimizer):
             yield seg, self.param_groups[seg.group]
 
     # -- per-step helpers for the algorithms ---------------------------------------------------
-    def _average(self, flat: torch.Tensor) -> torch.Tensor:
-        """Full-precision average across ranks (warmup and variance steps)."""
-        return self._comm.average(flat)
-
     def _compress(
         self, state: FlatState, flat: torch.Tensor, comm: dict[str, torch.Tensor] | None = None
     ) -> torch.Tensor:
@@ -229,7 +226,7 @@ class CompressedOptimizer(ConfigAttributes, torch.optim.Optimizer):
         g = state.scratch("grad")
         if self._early is not None:
             return self._early.averaged_grads(state, self._step_now, g)
-        self._average(state.gather_grads(g))
+        self._comm.average(state.gather_grads(g))
         return g
 
     def _take_exchanged_momentum(self, state: FlatState) -> bool:
@@ -245,11 +242,8 @@ class CompressedOptimizer(ConfigAttributes, torch.optim.Optimizer):
         return self._early.take_gradient(state, self._step_now)
 
     def _set_overlap(self, overlap: bool, bucket_numel: int | None) -> None:
-        """The constructor's ``overlap`` and ``bucket_numel`` (None: the class's layout),
-        checked; called once ``param_groups`` exist, before the buckets are laid out. With
-        overlap the thread's channel is opened here: collectively, while every rank builds
-        the optimizer (not at the first job, which a rank that skips that backward pass would
-        never reach)."""
+        """The constructor's ``overlap`` and ``bucket_numel``, once ``param_groups`` exist and
+        before the buckets are laid out (the thread's channel opens collectively here)."""
         self._bucket_numel = check_overlap_arguments(overlap, bucket_numel, self._bucket_numel)
         if not overlap:
             return

@@ -10,14 +10,16 @@ import torch
 from commopt.comm import Backend
 from commopt.compressed import NonFiniteError
 from commopt.optim._adam import (
+    guard_limits,
     guarded_adam_update_,
     momentum_from_grads_,
     momentum_step_sizes,
     update_moments_,
     variance_denominator,
     variance_level_of,
-    variance_steps_through,
 )
+from commopt.optim._checks import check_group_joins_phase_a
+from commopt.optim._resume import upgrade_zero_one_groups
 from commopt.optim._warnings import warn_at_caller
 from commopt.optim._zero_one_schedule import ZeroOneSchedule
 from commopt.optim._zero_one_staged import StagedSync, SyncSteps
@@ -105,14 +107,11 @@ class ZeroOneAdam(CompressedOptimizer):
             is exchanged or saved for them.
         backend: communication backend; ``None`` resolves as SPEC §5 (``commopt.init()``'s).
         topology: ``"flat"`` (default), ``"hierarchical"`` or ``"auto"``, as :class:`OnebitAdam`.
-        overlap: start the communication during backward, as soon as a bucket's last
-            gradient is accumulated: a variance step's full-precision average, a 1-bit step's
-            exchange of the local gradient, and a sync step's local update and exchange, all
-            on staged buffers; ``step()`` waits and commits, or redoes a sync whose lr (or
-            other hyperparameter) changed after backward (:mod:`._zero_one_staged`). Local steps
-            send nothing. Bit-identical to ``overlap=False``. Default False. Needs several
-            buckets (``bucket_numel``); the conditions are :class:`OnebitAdam`'s; see
-            docs/overlap.md.
+        overlap: as :class:`OnebitAdam`'s (default False, bit-identical to ``overlap=False``,
+            docs/overlap.md): a variance step's average, a 1-bit step's exchange and a sync
+            step's local update and exchange start during backward, staged; ``step()`` redoes a
+            sync whose lr (or other hyperparameter) changed after backward. Local steps send
+            nothing.
         bucket_numel: the most elements one flat bucket holds (default 2**25; a larger tensor
             gets a bucket of its own). Results depend on the layout (one scale per bucket).
 
@@ -194,26 +193,15 @@ class ZeroOneAdam(CompressedOptimizer):
             lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction
         )
         super().__init__(params, defaults, config, backend, topology)
-        self._schedule = self._new_schedule()
-        self._staged_sync = self._new_staged_sync()
+        self._start_schedule()
         self._set_overlap(overlap, bucket_numel)
-
-    def _new_schedule(self) -> ZeroOneSchedule:
-        return ZeroOneSchedule(self.global_state, self.frozen_after, self.config)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Parameters may join in phase A only: their variance is estimated on the variance
         steps that remain (they do not move until one gives them a variance). After
         ``var_freeze_step`` v is frozen, so new parameters could never get one."""
         step = getattr(self, "global_state", {"step": 0})["step"]
-        frozen = self.frozen_after() if "config" in self.__dict__ else math.inf
-        if step > frozen:
-            raise ValueError(
-                f"ZeroOneAdam cannot add a param group at step {step}, after var_freeze_step = "
-                f"{frozen}: the variance is frozen and new parameters would "
-                "never get one. Add the group before the freeze, or give its parameters an "
-                "optimizer of their own"
-            )
+        check_group_joins_phase_a(step, self.frozen_after() if "config" in self.__dict__ else None)
         super().add_param_group(param_group)
         # k of v̂ = v/(1 − β2^k) counts this group's variance updates from here on (the
         # constructor's groups join before the schedule exists: at 0)
@@ -225,13 +213,8 @@ class ZeroOneAdam(CompressedOptimizer):
         self, state_dict: dict[str, Any], *, allow_config_change: bool = False
     ) -> None:
         super().load_state_dict(state_dict, allow_config_change=allow_config_change)
-        self._schedule = self._new_schedule()  # over the loaded global_state
-        self._staged_sync = self._new_staged_sync()
-        for group in self.param_groups:  # saved before bias_correction existed: v used as is
-            group.setdefault("bias_correction", False)
-            if "variance_offset" not in group:  # the variance steps before it joined
-                steps = variance_steps_through(group["first_step"], self.config.var_update_scaler)
-                group["variance_offset"] = steps
+        self._start_schedule()  # over the loaded global_state
+        upgrade_zero_one_groups(self.param_groups, self.config.var_update_scaler)
 
     # -- steps --------------------------------------------------------------------------------
     def _step(self, step: int) -> None:
@@ -270,9 +253,8 @@ class ZeroOneAdam(CompressedOptimizer):
                 self._observe(step)
 
     def _observe(self, step: int) -> None:
-        """After variance step ``step``: the automatic freeze sees the bias-corrected level of
-        v after k variance updates; a group without ``bias_correction`` (its frozen v is used as
-        it is) lets it freeze only once (1 − β2^k) has settled."""
+        """The automatic freeze sees v̂'s level after k variance updates; a group without
+        ``bias_correction`` (v used as it is) lets it freeze once (1 − β2^k) has settled."""
         gs = self.global_state
         k = gs["variance_updates"] = gs.get("variance_updates", 0) + 1
         states = [s for s in self.flat_states if self.first_step(s) == 0]
@@ -310,11 +292,9 @@ class ZeroOneAdam(CompressedOptimizer):
 
     def _sync(self) -> None:
         """2. a = C((p − p_sync)⊙(√v+ε)) ⊙ mask; m ← −a/s; p ← p_sync + a/(√v+ε); p_sync ← p.
-        A bucket whose accumulator is inf/NaN on any rank (a replica diverged since the last
-        sync) is refused by the exchange on every rank alike, before any error buffer changes;
-        that bucket then returns to its last synced point on every rank (p ← p_sync, m ← 0), so
-        the replicas stay identical, and no extra message is needed to find out.
-        """
+        A bucket whose accumulator is inf/NaN on any rank (a replica diverged) is refused by the
+        exchange on every rank alike, before any error buffer changes, and returns to its last
+        synced point everywhere (p ← p_sync, m ← 0): replicas stay identical, with no message."""
         diverged = False
         for state in self.flat_states:
             m, p_sync = state.flat["exp_avg"], state.buffer("p_sync")
@@ -388,20 +368,15 @@ class ZeroOneAdam(CompressedOptimizer):
         d = self._frozen_denominator(state, updated)
         m = state.flat["exp_avg"] if m is None else m
         all_sizes = self._step_sizes(step)
-        step_sizes, limits = [], []
-        for seg, group in self.segments(state):
-            lr, step_size = group["lr"], all_sizes[seg.group]
-            bound = self._bound(group)
-            if step_size != lr:  # (off: B itself, bit for bit)
-                bound *= lr / step_size
-            step_sizes.append(step_size)
-            limits.append(bound)
-        segments = self.segments(state)
-        guard = self.config.step_guard
+        step_sizes = [all_sizes[seg.group] for seg in state.bucket.segments]
+        limits = guard_limits(self.segments(state), step_sizes, self.config.step_guard)
+        segments, guard = self.segments(state), self.config.step_guard
         guarded_adam_update_(state, segments, m, d, step_sizes, limits, guard, target)
 
     # -- overlap=True: the sync staged during backward (commopt.optim._zero_one_staged) -------
-    def _new_staged_sync(self) -> StagedSync:
+    def _start_schedule(self) -> None:
+        """The schedule over ``global_state`` (anew after a load), and the staged sync on it."""
+        self._schedule = ZeroOneSchedule(self.global_state, self.frozen_after, self.config)
         steps = SyncSteps(
             compress=self._compress,
             discard_zero_variance=lambda s, m: self._zero_variance_guard.apply_(s, m, warn=False),
@@ -410,7 +385,7 @@ class ZeroOneAdam(CompressedOptimizer):
             step_sizes=self._step_sizes,
             diverged=_warn_diverged,
         )
-        return StagedSync(self, self._schedule, steps)
+        self._staged_sync = StagedSync(self, self._schedule, steps)
 
     def _early_plan(self) -> StagedSync:
         return self._staged_sync

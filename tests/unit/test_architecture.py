@@ -13,7 +13,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2] / "commopt"
 
 #: ~400 lines: the longest modules are an optimizer with its paper's docstring, the base class
 #: and the early work, each a little over it
-MAX_LINES = 430
+MAX_LINES = 420
 
 #: private attributes of other libraries' objects that commopt reads on purpose
 FOREIGN_PRIVATES = {

@@ -23,6 +23,7 @@ import torch
 
 if TYPE_CHECKING:
     from commopt.comm import Backend
+    from commopt.optim.early._staged import StagedWork
     from commopt.optim.early._thread import CommThread
     from commopt.optim.flat_state import FlatState
 
@@ -115,6 +116,19 @@ class ExchangeSchedule:
             if c and position not in mine:
                 filler(order[position])
         return True
+
+    def restart(self, st: StagedWork, seen: set[int], i: int) -> None:
+        """Before parameter ``i`` goes into the bucket's staged work (overlap): a bucket of an
+        earlier backward pass of this step starts over; a parameter seen twice in this pass's
+        round means a second synced backward pass, which opens a new round. Either way the
+        bucket's job, if any, has to finish first: it reads the staged buffers."""
+        if st.round == self.round and i not in seen:
+            return
+        if st.round == self.round:
+            self.close_round()
+        if st.ticket is not None:
+            self.wait(st.ticket)
+        st.reset(self.round)
 
     def drain(self) -> None:
         """Close the open round and wait until the thread has run all of it; raise the error of

@@ -91,11 +91,10 @@ class EarlyWork:
         return kinds
 
     def decline(self) -> None:
-        """A step's early work was redone because what it read changed after backward (the
-        program clips, unscales or changes β1 every step, as a habit): from now on leave it to
-        ``step()``, which then communicates once instead of twice. Every rank calls this at the
-        same step (the redo is agreed), so every rank's backward starts the same work. Under the
-        DDP hook the warmup's averages stay in backward (they are what ``p.grad`` holds)."""
+        """From now on leave the work to ``step()``: a step was redone because what its work read
+        changed after backward (clipping, unscaling, a β1 schedule, as a habit), so ``step()``
+        communicates once instead of twice. Called by every rank at the same (agreed) step. Under
+        the DDP hook the warmup's averages stay in backward (they are what ``p.grad`` holds)."""
         self.declined = True
 
     def _staged_for(self, state: FlatState) -> StagedWork:
@@ -110,20 +109,6 @@ class EarlyWork:
     def thread(self) -> CommThread:
         """The communication thread the collectives run on (``overlap=True``)."""
         return self._schedule.thread
-
-    def _restart(self, st: StagedWork, seen: set[int], i: int) -> None:
-        """Before parameter ``i`` goes into the bucket's staged work (overlap): a bucket of an
-        earlier backward pass of this step starts over; a parameter seen twice in this pass's
-        round means a second synced backward pass, which opens a new round. Either way the
-        bucket's job, if any, has to finish first: it reads the staged buffers."""
-        schedule = self._schedule
-        if st.round == schedule.round and i not in seen:
-            return
-        if st.round == schedule.round:
-            schedule.close_round()
-        if st.ticket is not None:
-            schedule.wait(st.ticket)
-        st.reset(schedule.round)
 
     def drain(self, agree: bool = False) -> None:
         """Close the open round and wait until the communication thread has run all of it;
@@ -205,7 +190,7 @@ class EarlyWork:
             state, i = where
             st = self._staged_for(state)
             if threaded:
-                self._restart(st, st.arrived, i)
+                self._schedule.restart(st, st.arrived, i)
             elif i in st.arrived:  # a second synced backward before step(): start it over
                 if st.averaged and st.future is not None:
                     st.future.wait()  # never overwrite a buffer a collective is still reading
@@ -284,7 +269,7 @@ class EarlyWork:
             if self._plan.kind(state, st.step) == Kind.MOMENTUM:
                 self._buffers.drop_gradient(state)  # no later step averages this bucket again
             if threaded:
-                self._restart(st, st.folded, i)
+                self._schedule.restart(st, st.folded, i)
             elif i in st.folded:  # a second synced backward before step(): start the bucket over
                 st.folded.clear()
                 st.exchanged = st.failed = False
@@ -366,10 +351,9 @@ class EarlyWork:
         return out
 
     def take_momentum(self, state: FlatState, step: int) -> bool:
-        """Commit the bucket's exchanged momentum for step ``step`` into ``exp_avg`` and its
-        staged error buffers into the exchange state; False when no momentum was started early
-        (the algorithm then does the whole thing itself). A bucket only partly folded (some of
-        its parameters are not in the DDP model) is completed first, from ``p.grad``."""
+        """Commit the bucket's exchanged momentum for step ``step`` into ``exp_avg``, its staged
+        error buffers into the exchange state (a bucket partly outside the DDP model completed
+        first, from ``p.grad``); False: nothing started early, the algorithm does it all."""
         m = self._take(state, step)
         if m is None:
             return False
