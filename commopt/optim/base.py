@@ -330,7 +330,6 @@ class CompressedOptimizer(ConfigAttributes, torch.optim.Optimizer):
                 "backward, before GradScaler could unscale them; with the commopt DDP hook or "
                 "overlap, use bf16 autocast (no GradScaler) or a static loss scale folded into lr"
             )
-        scale = getattr(self, "grad_scale", None)
         if scale is not None:
             unscale_grads_(params, scale)
         self.global_state["step"] = step
