@@ -9,21 +9,12 @@ import torch
 
 import commopt
 from tests.multirank.harness import run_ranks
+from tests.optim_registry import OPTIMIZERS
 
 TIMEOUT = 180
 
-FACTORIES = {
-    "OnebitAdam": lambda p: commopt.OnebitAdam(p, lr=1e-2, freeze_step=2),
-    "OnebitLamb": lambda p: commopt.OnebitLamb(p, lr=1e-2, freeze_step=2),
-    "ZeroOneAdam": lambda p: commopt.ZeroOneAdam(
-        p,
-        lr=1e-2,
-        var_freeze_step=3,
-        var_update_scaler=1,
-        local_step_scaler=1,
-        local_step_clipper=2,
-    ),
-}
+#: name → factory(params): the registry's test config (its 6 steps visit every phase-A kind)
+FACTORIES = {info.name: info.make for info in OPTIMIZERS}
 
 
 def _accumulate(backend, name: str, micro: int):

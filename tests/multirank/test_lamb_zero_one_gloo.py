@@ -12,6 +12,7 @@ import warnings
 import torch
 
 import commopt
+import commopt.exchange.flat
 from commopt import OnebitLamb, ZeroOneAdam
 from tests.multirank.harness import run_ranks
 
@@ -62,13 +63,13 @@ def _lamb_lockstep(backend):
     commopt.broadcast_parameters(model, backend=backend)
     opt = OnebitLamb(lamb_groups(model), lr=0.01, freeze_step=LAMB_FREEZE, backend=backend)
     calls: list[int] = []
-    real = commopt.exchange.compressed_allreduce_and_scale
+    real = commopt.exchange.flat.compressed_allreduce_and_scale
 
     def counting(tensor, worker_error, server_error, be=None, **kw):
         calls.append(tensor.numel())
         return real(tensor, worker_error, server_error, be, **kw)
 
-    commopt.exchange.compressed_allreduce_and_scale = counting
+    commopt.exchange.flat.compressed_allreduce_and_scale = counting
     try:
         per_step, momentum_at_freeze = [], None
         for t in range(1, LAMB_STEPS + 1):
@@ -80,7 +81,7 @@ def _lamb_lockstep(backend):
             if t == LAMB_FREEZE:
                 momentum_at_freeze = [opt.state[p]["exp_avg"].clone() for p in model.parameters()]
     finally:
-        commopt.exchange.compressed_allreduce_and_scale = real
+        commopt.exchange.flat.compressed_allreduce_and_scale = real
     return {
         "per_step": per_step,
         "momentum_at_freeze": momentum_at_freeze,

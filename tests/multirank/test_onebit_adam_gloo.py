@@ -10,6 +10,7 @@ import math
 import torch
 
 import commopt
+import commopt.exchange.flat
 from commopt import OnebitAdam
 from commopt.comm import model_bytes
 from commopt.compressed import compression_bytes
@@ -74,13 +75,13 @@ def _lockstep(backend):
     opt._bucket_numel = 40  # several buckets, some spanning two groups
 
     calls: list[int] = []
-    real = commopt.exchange.compressed_allreduce_and_scale
+    real = commopt.exchange.flat.compressed_allreduce_and_scale
 
     def counting(tensor, worker_error, server_error, be=None, **kw):
         calls.append(tensor.numel())
         return real(tensor, worker_error, server_error, be, **kw)
 
-    commopt.exchange.compressed_allreduce_and_scale = counting
+    commopt.exchange.flat.compressed_allreduce_and_scale = counting
     per_step = []
     after_warmup = None
     masked_zero = []
@@ -103,7 +104,7 @@ def _lockstep(backend):
         if t > WARMUP:
             m = opt.state[model[0].weight]["exp_avg"]
             masked_zero.append(bool((m[mask == 0] == 0).all()))
-    commopt.exchange.compressed_allreduce_and_scale = real
+    commopt.exchange.flat.compressed_allreduce_and_scale = real
     bucket_numels = [b.numel for b in [s.bucket for s in opt.flat_states]]
     state = [
         (opt.state[p]["exp_avg"].clone(), opt.state[p]["exp_avg_sq"].clone())
