@@ -8,11 +8,13 @@ resumed run continues from the unrounded weights); the parameter itself is its r
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterable, Iterator, MutableMapping
 from typing import Any
 
 import torch
 
+from commopt.buckets import Bucket, Segment
 from commopt.optim.flat_state import FlatState
 
 __all__ = ["master_weights", "unscale_grads_"]
@@ -22,29 +24,48 @@ __all__ = ["master_weights", "unscale_grads_"]
 def master_weights(
     states: Iterable[FlatState], param_state: MutableMapping[torch.Tensor, dict[str, Any]]
 ) -> Iterator[None]:
-    """Inside: every non-fp32 parameter's ``.data`` is its fp32 master copy; on exit the
-    parameter is rounded from it. The master copy starts as the parameter's value."""
-    swapped: list[tuple[torch.Tensor, torch.Tensor]] = []
+    """Inside: in every bucket, each non-fp32 parameter is replaced by its fp32 master copy (a
+    view of the bucket's ``"master"`` buffer, its ``.grad`` the gradient widened to fp32,
+    exactly); on exit the parameter is rounded from it. The master copy starts as the
+    parameter's value.
+
+    The parameter itself is never touched inside: swapping its ``.data`` to another dtype would
+    drop the gradient-accumulator hooks DDP registered on it (and DDP would wait at the next
+    step for gradients that never come)."""
+    swapped: list[tuple[Bucket, list[torch.Tensor], list[Segment]]] = []
+    rounding: list[tuple[torch.Tensor, torch.Tensor]] = []
     for state in states:
         bucket = state.bucket
         if all(p.dtype == torch.float32 for p in bucket.params):
             continue
         fresh = {id(p) for p in bucket.params if "master" not in param_state[p]}
         master = state.buffer("master")
+        proxies: dict[int, torch.Tensor] = {}
         for p, view in zip(bucket.params, bucket.views(master), strict=True):
             if p.dtype == torch.float32:
                 param_state[p].pop("master", None)  # fp32 parameters are their own master
                 continue
             if id(p) in fresh:
                 view.copy_(p)
-            swapped.append((p, p.data))
-            p.data = view
+            if p.grad is not None:
+                view.grad = p.grad.to(torch.float32)
+            proxies[id(p)] = view
+            rounding.append((p, view))
+        swapped.append((bucket, bucket.params, bucket.segments))
+        bucket.params = [proxies.get(id(p), p) for p in bucket.params]
+        bucket.segments = [
+            dataclasses.replace(seg, params=tuple(proxies.get(id(p), p) for p in seg.params))
+            for seg in bucket.segments
+        ]
     try:
         yield
     finally:
-        for p, low in swapped:
-            low.copy_(p.data)
-            p.data = low
+        for bucket, params, segments in swapped:
+            bucket.params, bucket.segments = params, segments
+        with torch.no_grad():
+            for p, view in rounding:
+                p.copy_(view)
+                view.grad = None
 
 
 def unscale_grads_(params: Iterable[torch.Tensor], scale: torch.Tensor | float) -> None:

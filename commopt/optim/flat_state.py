@@ -55,6 +55,9 @@ class FlatState:
     ) -> None:
         self.bucket = bucket
         self._param_state = param_state
+        # the parameters as param_state knows them (inside a step, master_weights shows the
+        # algorithm fp32 stand-ins for bf16/fp16 ones in bucket.params)
+        self._owners = list(bucket.params)
         self.flat: dict[str, torch.Tensor] = {}
         for key in keys:
             self.flat[key] = self._new_flat(key)
@@ -88,7 +91,7 @@ class FlatState:
     # -- buffers ------------------------------------------------------------------------------
     def _new_flat(self, key: str) -> torch.Tensor:
         buf = self.bucket.new_buffer()
-        for p, view in zip(self.bucket.params, self.bucket.views(buf), strict=True):
+        for p, view in zip(self._owners, self.bucket.views(buf), strict=True):
             old = self._param_state[p].get(key)
             if old is not None:
                 view.copy_(old)

@@ -107,9 +107,8 @@ def _digest(backend, name: str, options: dict, mode: str = "standalone", drop: b
     forward = model
     if mode == "ddp-hook":
         # The bf16 layer stays outside DDP (its gradients local, the optimizer buckets that hold
-        # it completed from p.grad in step()): the fp32 master weights swap p.data to another
-        # dtype, which drops the gradient-accumulator hooks DDP registered (a known bug, see
-        # docs/ddp.md).
+        # it completed from p.grad in step()): DDP would average its gradients in bf16, where
+        # the standalone optimizer averages in fp32 (docs/ddp.md), and the digests would differ.
         ignored = ["2.weight", "2.bias"]
         DDP = torch.nn.parallel.DistributedDataParallel
         DDP._set_params_and_buffers_to_ignore_for_model(model, ignored)

@@ -350,3 +350,38 @@ def test_hook_state_refuses_an_optimizer_with_overlap():
     opt = commopt.OnebitAdam(torch.nn.Linear(2, 2).parameters(), overlap=True)
     with pytest.raises(ValueError, match="overlap=True"):
         commopt.ddp.OnebitHookState(opt)
+
+
+def _bf16_under_ddp(backend, name: str, hook: bool):
+    # A bf16 layer among fp32 ones: the fp32 master weights must leave DDP's gradient hooks on
+    # the bf16 parameters in place (swapping their .data to fp32 inside step() dropped them,
+    # and DDP then waited at the second step for gradients that never came).
+    torch.manual_seed(0)
+    model = _model()
+    model[2].to(torch.bfloat16)
+    model.forward = lambda x: model[3](model[2](model[1](model[0](x)).bfloat16()).float())
+    ddp = DistributedDataParallel(model)
+    opt = OPTIMIZERS[name](ddp.parameters(), backend)
+    if hook:
+        ddp.register_comm_hook(
+            commopt.ddp.OnebitHookState(opt, exchange_in_backward=True), commopt.ddp.onebit_hook
+        )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (without the hook: "gradients already identical")
+        for step in range(1, STEPS + 1):
+            x, y = _batch(backend.rank, step)
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(ddp(x), y).backward()
+            opt.step()
+    out = torch.empty(backend.world_size * _flat(model).numel())
+    backend.all_gather(out, _flat(model).float())
+    dtypes = {str(p.dtype) for p in model[2].parameters()}
+    return {"replicas": list(out.view(backend.world_size, -1)), "dtypes": dtypes}
+
+
+@pytest.mark.parametrize("hook", [True, False], ids=["hook", "no-hook"])
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_bf16_parameters_under_ddp_train_and_stay_identical(name, hook):
+    results = run_ranks(_bf16_under_ddp, 2, name, hook, timeout=TIMEOUT)
+    _check_replicas(results)
+    assert all(r["dtypes"] == {"torch.bfloat16"} for r in results)
