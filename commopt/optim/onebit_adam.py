@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import operator
 from typing import Any
 
 import torch
@@ -190,7 +191,7 @@ class OnebitAdam(CompressedOptimizer):
             self._apply_update(state, t, freeze_step)
         automatic = auto_settings(self.config.freeze_step) is not None
         if observed and automatic and math.isinf(freeze_step):
-            corrected = lambda group: group["bias_correction"]  # noqa: E731
+            corrected = operator.itemgetter("bias_correction")
             self._observe_variance(
                 step, variance_level_of(observed, self.segments, step, corrected)
             )
