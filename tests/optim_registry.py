@@ -92,12 +92,19 @@ class Phase:
             gradient drops only that rank's update, and the replicas differ until the next sync.
         masks_momentum: after each of its steps, ``exp_avg`` is exactly 0 where the group's
             ``exp_avg_mask`` is 0 (the mask is applied to what a compressed exchange returns).
+        updates_variance: its steps update ``exp_avg_sq`` from the averaged gradient (after
+            the last of them the variance is frozen).
+        resets_errors: its first step zeroes the error-feedback buffers before it exchanges
+            (0/1 Adam's phase-B entry: from then on they compensate accumulated updates, not
+            gradients), so errors saved just before it do not matter.
     """
 
     name: str
     steps: tuple[int, ...]
     communicates: bool = True
     masks_momentum: bool = False
+    updates_variance: bool = False
+    resets_errors: bool = False
 
     @property
     def first(self) -> int:
@@ -148,6 +155,9 @@ class OptimizerInfo:
             the DDP hook), whose models take several buckets: 8 steps that visit every phase
             (1-bit Adam and LAMB: warmup 1–3, compression 4–8; 0/1 Adam: variance steps 1, 2, 4
             and 1-bit steps 3, 5, then phase B with syncs at 6 and 8), with weight decay.
+        synced_copy: the per-parameter state key of the parameters as of the last sync, which
+            the replicas share after a local step (0/1 Adam's ``p_sync``); None: every step
+            communicates.
     """
 
     name: str
@@ -160,24 +170,63 @@ class OptimizerInfo:
     variants: tuple[Mapping[str, Any], ...] = ()
     extra_global_keys: tuple[str, ...] = field(default=())
     backward_config: Mapping[str, Any] = field(default_factory=dict)
+    synced_copy: str | None = None
+
+    @property
+    def freeze_key(self) -> str:
+        """The config key of the last full-precision step (1-bit: ``freeze_step``; 0/1 Adam:
+        ``var_freeze_step``)."""
+        return "var_freeze_step" if "var_freeze_step" in self.config else "freeze_step"
 
     def make(
-        self, params: Any, *, mode: str = "standalone", backward: bool = False, **overrides: Any
+        self,
+        params: Any,
+        *,
+        mode: str = "standalone",
+        backward: bool = False,
+        freeze: int | None = None,
+        **overrides: Any,
     ) -> torch.optim.Optimizer:
         """The optimizer on ``params`` in ``mode`` (:data:`MODES`) with the test config, or with
-        ``backward`` the backward-time tests' config (``overrides`` win). Its device is the
-        parameters'."""
+        ``backward`` the backward-time tests' config; ``freeze`` moves the end of the
+        full-precision phase (:attr:`freeze_key`) and keeps the rest of the schedule;
+        ``overrides`` win. Its device is the parameters'."""
         config = self.backward_config if backward else self.config
+        if freeze is not None:
+            config = {**config, self.freeze_key: freeze}
         return self.cls(params, **{**config, **MODES[mode], **overrides})
 
-    def phases(self, steps: int | None = None) -> list[Phase]:
-        return self.schedule(self.config, self.steps if steps is None else steps)
+    def phases(
+        self, steps: int | None = None, freeze: int | None = None, backward: bool = False
+    ) -> list[Phase]:
+        """The phases of a run of ``steps`` steps of the test config (``freeze`` and
+        ``backward`` as in :meth:`make`)."""
+        config = self.backward_config if backward else self.config
+        if freeze is not None:
+            config = {**config, self.freeze_key: freeze}
+        return self.schedule(config, self.steps if steps is None else steps)
+
+    def communicates(self, step: int, freeze: int | None = None) -> bool:
+        """Whether ``step`` of the test config (``freeze`` as in :meth:`make`) talks to other
+        ranks: after such a step the replicas are bit-identical."""
+        phases = self.phases(max(step, self.steps), freeze)
+        return any(step in ph.steps and ph.communicates for ph in phases)
 
     def phase_of(self, step: int) -> Phase:
         for phase in self.phases(max(step, self.steps)):
             if step in phase.steps:
                 return phase
         raise ValueError(f"{self.name}: step {step} is in no phase")
+
+    def shared(
+        self, opt: torch.optim.Optimizer, params: Any, freeze: int | None = None
+    ) -> torch.Tensor:
+        """The parameters every replica holds bit for bit after ``opt``'s last step, flat: the
+        parameters, or after a local step their :attr:`synced_copy`."""
+        step = opt.global_state["step"]
+        local = self.synced_copy is not None and not self.communicates(step, freeze)
+        parts = [opt.state[p][self.synced_copy] if local else p for p in params]
+        return torch.cat([t.detach().float().reshape(-1) for t in parts])
 
     def resume_points(self) -> list[int]:
         """Steps after which to save for a resume "in every phase": just before each phase
@@ -193,7 +242,7 @@ def _onebit_adam_schedule(config: Mapping[str, Any], steps: int) -> list[Phase]:
     """SPEC §2: warmup t = 1 … freeze_step (full precision), then compression."""
     freeze = config["freeze_step"]
     return [
-        Phase("warmup", tuple(range(1, freeze + 1))),
+        Phase("warmup", tuple(range(1, freeze + 1)), updates_variance=True),
         Phase("compression", tuple(range(freeze + 1, steps + 1)), masks_momentum=True),
     ]
 
@@ -203,8 +252,8 @@ def _onebit_lamb_schedule(config: Mapping[str, Any], steps: int) -> list[Phase]:
     frozen (the first compressed step); then compression."""
     freeze = config["freeze_step"]
     return [
-        Phase("warmup", tuple(range(1, freeze))),
-        Phase("freeze", (freeze,)),
+        Phase("warmup", tuple(range(1, freeze)), updates_variance=True),
+        Phase("freeze", (freeze,), updates_variance=True),
         Phase("scaling", (freeze + 1,), masks_momentum=True),
         Phase("compression", tuple(range(freeze + 2, steps + 1)), masks_momentum=True),
     ]
@@ -236,9 +285,9 @@ def _zero_one_adam_schedule(config: Mapping[str, Any], steps: int) -> list[Phase
     variance, sync = zero_one_steps(config, steps)
     freeze = config["var_freeze_step"]
     return [
-        Phase("A-variance", tuple(variance)),
+        Phase("A-variance", tuple(variance), updates_variance=True),
         Phase("A-1bit", tuple(t for t in range(1, freeze + 1) if t not in variance)),
-        Phase("B-entry", (freeze + 1,), masks_momentum=True),
+        Phase("B-entry", (freeze + 1,), masks_momentum=True, resets_errors=True),
         Phase("B-sync", tuple(t for t in sync if t > freeze + 1), masks_momentum=True),
         Phase(
             "B-local",
@@ -391,6 +440,7 @@ OPTIMIZERS: tuple[OptimizerInfo, ...] = (
             "local_started",
             "lrs",
         ),
+        synced_copy="p_sync",
         backward_config={
             "lr": 0.02,
             "weight_decay": 0.01,

@@ -9,7 +9,12 @@ from typing import Any
 
 import torch
 
-__all__ = ["check_group_joins_phase_a", "check_overlap_arguments", "check_param_group"]
+__all__ = [
+    "check_group_joins_phase_a",
+    "check_no_scaler_after_early_work",
+    "check_overlap_arguments",
+    "check_param_group",
+]
 
 
 def check_param_group(
@@ -80,4 +85,15 @@ def check_group_joins_phase_a(step: int, frozen: float | None) -> None:
             f"{frozen}: the variance is frozen and new parameters would "
             "never get one. Add the group before the freeze, or give its parameters an "
             "optimizer of their own"
+        )
+
+
+def check_no_scaler_after_early_work(name: str, started_early: bool) -> None:
+    """A GradScaler's scale with early work (the DDP hook, ``overlap=True``) that already used
+    the gradients during backward, before the scaler could unscale them: refused."""
+    if started_early:
+        raise RuntimeError(
+            f"{name}: a DDP hook or overlap=True used the gradients during backward, before "
+            "GradScaler could unscale them; with the commopt DDP hook or overlap, use bf16 "
+            "autocast (no GradScaler) or a static loss scale folded into lr"
         )

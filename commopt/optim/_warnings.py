@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import warnings
@@ -10,7 +11,13 @@ from typing import Any
 
 import torch
 
-__all__ = ["warn_at_caller", "warn_averaged_already", "warn_redone", "warn_skipped"]
+__all__ = [
+    "log_compression_started",
+    "warn_at_caller",
+    "warn_averaged_already",
+    "warn_redone",
+    "warn_skipped",
+]
 
 _INTERNAL_DIRS = tuple(
     str(path) + os.sep
@@ -94,3 +101,11 @@ def warn_redone(name: str, why: str | None, rank: int, overlap: bool = True) -> 
         "step() (the same result, paid once, no longer during backward). Change gradients or "
         "beta1 before backward ends to keep it in backward (docs/ddp.md)"
     )
+
+
+def log_compression_started(name: str, step: int, rank: int) -> None:
+    """On rank 0, once per optimizer (the caller keeps the flag): the first 1-bit exchange."""
+    if rank == 0:
+        logging.getLogger("commopt").info(
+            "%s: compression started at step %d (1-bit exchanges from now on)", name, step
+        )

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import logging
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
@@ -24,12 +23,21 @@ from commopt.compressed import NonFiniteError
 from commopt.exchange import Exchange
 from commopt.optim._adam import ZeroVarianceGuard, apply_exp_avg_mask_
 from commopt.optim._agreement import GradientAgreement, left_untouched
-from commopt.optim._checks import check_overlap_arguments, check_param_group
+from commopt.optim._checks import (
+    check_no_scaler_after_early_work,
+    check_overlap_arguments,
+    check_param_group,
+)
 from commopt.optim._communication import Communication
 from commopt.optim._layout import BucketLayout
 from commopt.optim._precision import master_weights, unscale_grads_
 from commopt.optim._resume import commopt_entry, keep_state_dtypes, split_commopt_entry
-from commopt.optim._warnings import warn_averaged_already, warn_redone, warn_skipped
+from commopt.optim._warnings import (
+    log_compression_started,
+    warn_averaged_already,
+    warn_redone,
+    warn_skipped,
+)
 from commopt.optim.config import ConfigAttributes
 from commopt.optim.early import CommThread, EarlyPlan, EarlyWork, GradientHooks
 from commopt.optim.flat_state import FlatState
@@ -37,7 +45,6 @@ from commopt.optim.freeze import AutoFreeze, FreezePoint, VarianceLevel
 
 __all__ = ["TOPOLOGIES", "CompressedOptimizer"]
 
-logger = logging.getLogger("commopt")
 
 TOPOLOGIES = ("flat", "hierarchical", "auto")
 
@@ -324,13 +331,10 @@ class CompressedOptimizer(ConfigAttributes, torch.optim.Optimizer):
             self._skip(step, "non-finite values to exchange", True)
             return loss
         scale = getattr(self, "grad_scale", None)
-        if scale is not None and self._early is not None and self._early.started_any(step):
-            raise RuntimeError(
-                f"{type(self).__name__}: a DDP hook or overlap=True used the gradients during "
-                "backward, before GradScaler could unscale them; with the commopt DDP hook or "
-                "overlap, use bf16 autocast (no GradScaler) or a static loss scale folded into lr"
-            )
         if scale is not None:
+            check_no_scaler_after_early_work(
+                type(self).__name__, self._early is not None and self._early.started_any(step)
+            )
             unscale_grads_(params, scale)
         self.global_state["step"] = step
         try:
@@ -339,12 +343,7 @@ class CompressedOptimizer(ConfigAttributes, torch.optim.Optimizer):
                     self._step(step)
             if not self._compression_announced and self._comm.rounds["compressed"] > 0:
                 self._compression_announced = True
-                if self.backend.rank == 0:
-                    logger.info(
-                        "%s: compression started at step %d (1-bit exchanges from now on)",
-                        type(self).__name__,
-                        step,
-                    )
+                log_compression_started(type(self).__name__, step, self.backend.rank)
         except NonFiniteError:  # raised on every rank alike; the algorithm restored its state
             self.global_state["step"] = step - 1
             self._skip(step, "non-finite values to exchange", True)

@@ -20,18 +20,14 @@ if not torch.cuda.is_available():
 from commopt.comm import SingleProcessBackend
 from tests.optim_registry import OPTIMIZERS
 
-#: name → factory(params): the registry's test config, one process
-FACTORIES = {
-    info.name: functools.partial(info.make, backend=SingleProcessBackend()) for info in OPTIMIZERS
-}
 
-
-@pytest.mark.parametrize("name", sorted(FACTORIES))
-def test_state_stays_on_the_device_and_steps_match_cpu(name):
+@pytest.mark.parametrize("info", OPTIMIZERS, ids=repr)
+def test_state_stays_on_the_device_and_steps_match_cpu(info):
+    make = functools.partial(info.make, backend=SingleProcessBackend())  # one process
     gen = torch.Generator().manual_seed(0)
     w_cpu = torch.nn.Parameter(torch.randn(4099, generator=gen))
     w_gpu = torch.nn.Parameter(w_cpu.detach().to("cuda"))
-    opt_cpu, opt_gpu = FACTORIES[name]([w_cpu]), FACTORIES[name]([w_gpu])
+    opt_cpu, opt_gpu = make([w_cpu]), make([w_gpu])
     for _ in range(8):  # past freeze_step / var_freeze_step: both phases
         g = torch.randn(4099, generator=gen)
         w_cpu.grad, w_gpu.grad = g.clone(), g.to("cuda")
@@ -42,7 +38,7 @@ def test_state_stays_on_the_device_and_steps_match_cpu(name):
             assert value.device == w_gpu.device, f"state[{key!r}] is on {value.device}"
     # CUDA's sqrt/div are IEEE, but torch may fuse or reorder element-wise ops on the device.
     torch.testing.assert_close(w_gpu.detach().cpu(), w_cpu.detach(), rtol=1e-5, atol=1e-6)
-    restored = FACTORIES[name]([torch.nn.Parameter(w_gpu.detach().clone())])
+    restored = make([torch.nn.Parameter(w_gpu.detach().clone())])
     restored.load_state_dict(opt_gpu.state_dict())
     for value in next(iter(restored.state.values())).values():
         if isinstance(value, torch.Tensor) and value.numel() > 1:

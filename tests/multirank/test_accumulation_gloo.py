@@ -9,18 +9,15 @@ import torch
 
 import commopt
 from tests.multirank.harness import run_ranks
-from tests.optim_registry import OPTIMIZERS
+from tests.optim_registry import BY_NAME
 
 TIMEOUT = 180
-
-#: name → factory(params): the registry's test config (its 6 steps visit every phase-A kind)
-FACTORIES = {info.name: info.make for info in OPTIMIZERS}
 
 
 def _accumulate(backend, name: str, micro: int):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 2))
-    opt = FACTORIES[name](model.parameters())
+    opt = BY_NAME[name].make(model.parameters())  # 6 steps: every phase-A kind
     during, at_step = [], []
     for step in range(1, 7):
         before = backend.stats.snapshot()
@@ -39,7 +36,7 @@ def _accumulate(backend, name: str, micro: int):
     return {"during": during, "at_step": at_step, "replicas": out.view(2, -1)}
 
 
-@pytest.mark.parametrize("name", sorted(FACTORIES))
+@pytest.mark.parametrize("name", list(BY_NAME))
 def test_backward_passes_communicate_nothing(name):
     results = run_ranks(_accumulate, 2, name, 3, timeout=TIMEOUT)
     for r in results:

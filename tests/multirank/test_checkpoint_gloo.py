@@ -10,6 +10,7 @@ import torch
 import commopt
 from commopt.checkpoint import CheckpointError
 from tests.multirank.harness import run_ranks
+from tests.optim_registry import BY_NAME, OPTIMIZERS
 
 TIMEOUT = 180
 
@@ -45,43 +46,24 @@ def _flat_params(model) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
-def _onebit_adam(params):
-    return commopt.OnebitAdam(params, lr=1e-2, freeze_step=3)
-
-
-def _onebit_lamb(params):
-    return commopt.OnebitLamb(params, lr=1e-2, freeze_step=3)
-
-
-def _zero_one_adam(params):
-    # Variance steps 1, 2, 4 (3, 5, 6, 7 send a compressed gradient); phase B from step 8 with
-    # syncs at 8, 9, 10, 12, 16 (the interval doubles every 2 phase-B steps, up to 4).
-    return commopt.ZeroOneAdam(
-        params,
-        lr=1e-2,
-        var_freeze_step=7,
-        var_update_scaler=1,
-        local_step_scaler=2,
-        local_step_clipper=4,
+def _errors_matter(info, stop: int) -> bool:
+    """A step up to ``stop`` exchanged at one bit (the error buffers are live) and the next step
+    does not reset them."""
+    phases = info.phases()
+    compressed = any(
+        ph.communicates and not ph.updates_variance and ph.first <= stop for ph in phases
     )
+    return compressed and not any(ph.resets_errors and ph.first == stop + 1 for ph in phases)
 
 
-FACTORIES = {"OnebitAdam": _onebit_adam, "OnebitLamb": _onebit_lamb, "ZeroOneAdam": _zero_one_adam}
-# (optimizer, step to save at, phase), with the errors live whenever the phase compresses; every
-# run continues to step 8 (16 for 0/1 Adam, a sync step, so the replicas agree at the end).
-CASES = [
-    ("OnebitAdam", 2, "warmup"),
-    ("OnebitAdam", 5, "compression"),
-    ("OnebitLamb", 2, "warmup"),
-    ("OnebitLamb", 5, "compression"),
-    ("ZeroOneAdam", 3, "phase A, after a compressed step"),
-    ("ZeroOneAdam", 14, "phase B, between two syncs"),
-]
-TOTAL = {"OnebitAdam": 8, "OnebitLamb": 8, "ZeroOneAdam": 16}
+# (optimizer, step to save at): before each phase and inside it (the registry's resume points);
+# every run continues to the registry's last step, which communicates (the replicas agree)
+CASES = [(info.name, stop) for info in OPTIMIZERS for stop in info.resume_points()]
+_onebit_adam = BY_NAME["OnebitAdam"].make
 
 
 def _resume(backend, path: str, name: str, stop: int, total: int):
-    factory = FACTORIES[name]
+    factory = BY_NAME[name].make
     rank = backend.rank
     model = _net(0)
     opt = factory(model.parameters())
@@ -117,16 +99,16 @@ def _resume(backend, path: str, name: str, stop: int, total: int):
     }
 
 
-@pytest.mark.parametrize(("name", "stop", "phase"), CASES, ids=[f"{c[0]}-{c[2]}" for c in CASES])
-def test_resume_bit_exact_two_ranks(tmp_path, name, stop, phase):
-    total = TOTAL[name]
-    results = run_ranks(_resume, 2, str(tmp_path / "ck"), name, stop, total, timeout=TIMEOUT)
+@pytest.mark.parametrize(("name", "stop"), CASES, ids=[f"{n}-{k}" for n, k in CASES])
+def test_resume_bit_exact_two_ranks(tmp_path, name, stop):
+    info = BY_NAME[name]
+    results = run_ranks(_resume, 2, str(tmp_path / "ck"), name, stop, info.steps, timeout=TIMEOUT)
     for rank, r in enumerate(results):
         assert r["extra"] == {"step": stop, "rank_note": f"r{rank}"}
         assert r["exact"], f"rank {rank}: resumed parameters differ from uninterrupted training"
         assert r["seen_exact"], f"rank {rank}: its per-rank buffer was not restored"
         assert torch.equal(r["replicas"][0], r["replicas"][1])
-        if phase != "warmup":  # the error buffers were live and must be restored
+        if _errors_matter(info, stop):  # the error buffers were live and must be restored
             assert r["errors_nonzero"]
             assert r["control_differs"], "dropping the error buffers did not change anything"
 

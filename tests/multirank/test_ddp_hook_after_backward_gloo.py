@@ -23,7 +23,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 import commopt
 from tests.multirank.harness import run_ranks
-from tests.multirank.test_ddp_hook_gloo import OPTIMIZERS, STEPS, _batch, _model
+from tests.multirank.test_ddp_hook_gloo import STEPS, _batch, _model
+from tests.optim_registry import BY_NAME
 
 WORLD = 2
 
@@ -31,7 +32,7 @@ WORLD = 2
 def _compressed_steps(backend, name: str) -> list[int]:
     """Steps (from 1) in which the standalone optimizer ran a compressed exchange."""
     model = _model()
-    opt = OPTIMIZERS[name](model.parameters(), backend)
+    opt = BY_NAME[name].make(model.parameters(), mode="ddp-hook", backward=True, backend=backend)
     steps = []
     for step in range(1, STEPS + 1):
         x, y = _batch(backend.rank, step)
@@ -49,7 +50,7 @@ def _train(backend, name: str, hook: bool, habit: str, at: list[int], view: bool
     model = plain
     if hook:
         model = DistributedDataParallel(copy.deepcopy(plain), gradient_as_bucket_view=view)
-    opt = OPTIMIZERS[name](model.parameters(), backend)
+    opt = BY_NAME[name].make(model.parameters(), mode="ddp-hook", backward=True, backend=backend)
     if hook:
         model.register_comm_hook(
             commopt.ddp.OnebitHookState(opt, exchange_in_backward=True), commopt.ddp.onebit_hook
@@ -78,7 +79,7 @@ def _train(backend, name: str, hook: bool, habit: str, at: list[int], view: bool
 
 
 @pytest.mark.parametrize("habit", ["clip", "beta1"])
-@pytest.mark.parametrize("name", list(OPTIMIZERS))
+@pytest.mark.parametrize("name", list(BY_NAME))
 def test_ddp_hook_equals_standalone_under_the_habit(name: str, habit: str) -> None:
     at = run_ranks(_compressed_steps, WORLD, name, timeout=120)[0]
     assert at, "the schedule has no compressed step"
@@ -102,7 +103,7 @@ def test_gradient_as_bucket_view_too(habit: str) -> None:
 
 
 def test_no_redo_under_the_hook_without_the_habit() -> None:
-    for name in OPTIMIZERS:
+    for name in BY_NAME:
         for view in (False, True):  # gradient_as_bucket_view
             hooked = run_ranks(_train, WORLD, name, True, "none", [], view, timeout=120)
             assert hooked[0]["redone"] == [] and hooked[1]["redone"] == [], (name, view)

@@ -9,7 +9,6 @@ error buffers), and the DDP replicas must be identical across ranks.
 from __future__ import annotations
 
 import copy
-import functools
 import warnings
 
 import pytest
@@ -18,15 +17,11 @@ from torch.nn.parallel import DistributedDataParallel
 
 import commopt
 from tests.multirank.harness import RankError, run_ranks
-from tests.optim_registry import OPTIMIZERS as REGISTRY
+from tests.optim_registry import BY_NAME, OPTIMIZERS
 
 TIMEOUT = 240
 FREEZE = 3
 STEPS = 8
-
-
-def _registry_make(info, params, backend):
-    return info.make(params, mode="ddp-hook", backward=True, backend=backend)
 
 
 def _model() -> torch.nn.Module:
@@ -41,10 +36,19 @@ def _batch(rank: int, step: int, k: int = 0) -> tuple[torch.Tensor, torch.Tensor
     return torch.randn(5, 6, generator=g), torch.randn(5, 3, generator=g)
 
 
-#: name → factory(params, backend): the registry's backward-time config (warmup and compression
-#: stage through the hook; 0/1 Adam's variance steps 1, 2, 4 averaged and 1-bit steps 3, 5
-#: exchanged through it, phase B (6–8) in step())
-OPTIMIZERS = {info.name: functools.partial(_registry_make, info) for info in REGISTRY}
+#: every step communicates (1-bit Adam, LAMB), or phase B has local steps (0/1 Adam)
+ALWAYS_SYNCED = [info.name for info in OPTIMIZERS if info.synced_copy is None]
+WITH_LOCAL_STEPS = [info.name for info in OPTIMIZERS if info.synced_copy is not None]
+#: (optimizer, step, phase): the first step of each phase that communicates, in the registry's
+#: backward-time schedule (1-bit Adam and LAMB: warmup and compression through the hook; 0/1
+#: Adam's variance steps 1, 2, 4 averaged and 1-bit steps 3, 5 exchanged through it, phase B
+#: (6–8) in step())
+COMMUNICATING = [
+    (info.name, ph.first, ph.name)
+    for info in OPTIMIZERS
+    for ph in info.phases(STEPS, backward=True)
+    if ph.communicates
+]
 
 
 def _pair(backend, bucket_cap_mb: float, opt_bucket: int | None, extra: bool, name: str):
@@ -61,7 +65,7 @@ def _pair(backend, bucket_cap_mb: float, opt_bucket: int | None, extra: bool, na
         scales.append(torch.nn.Parameter(torch.ones(3)) if extra else None)
         if extra:
             params.append(scales[-1])
-        opt = OPTIMIZERS[name](params, backend)
+        opt = BY_NAME[name].make(params, mode="ddp-hook", backward=True, backend=backend)
         if opt_bucket is not None:
             opt._bucket_numel = opt_bucket  # several optimizer buckets, completed mid-backward
         opts.append(opt)
@@ -161,7 +165,7 @@ def _check_replicas(results):
             assert torch.equal(r["replicas"][0], replica)
 
 
-@pytest.mark.parametrize("name", ["OnebitAdam", "OnebitLamb"])
+@pytest.mark.parametrize("name", ALWAYS_SYNCED)
 @pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize(
     ("bucket_cap_mb", "opt_bucket"),
@@ -187,7 +191,7 @@ def test_hook_equals_standalone_every_step(bucket_cap_mb, opt_bucket, world_size
     assert results[0]["buckets"] == (4 if opt_bucket else 1)
 
 
-@pytest.mark.parametrize("name", ["OnebitAdam", "OnebitLamb", "ZeroOneAdam"])
+@pytest.mark.parametrize("name", list(BY_NAME))
 def test_no_sync_accumulation_communicates_nothing_and_equals_standalone(name):
     results = run_ranks(_train, 2, 1e-4, 100, 3, 0, False, name, timeout=TIMEOUT)
     _check_replicas(results)
@@ -199,37 +203,16 @@ def test_no_sync_accumulation_communicates_nothing_and_equals_standalone(name):
 
 @pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize(
-    ("name", "bad_step"),
-    [
-        ("OnebitAdam", 2),
-        ("OnebitAdam", 4),
-        ("OnebitAdam", 6),
-        ("OnebitLamb", 2),
-        ("OnebitLamb", 4),
-        ("OnebitLamb", 6),
-        ("ZeroOneAdam", 2),
-        ("ZeroOneAdam", 3),
-        ("ZeroOneAdam", 5),
-        ("ZeroOneAdam", 6),
-    ],
-    ids=[
-        "OnebitAdam-warmup",
-        "OnebitAdam-first-compression",
-        "OnebitAdam-compression",
-        "OnebitLamb-warmup",
-        "OnebitLamb-first-compression",
-        "OnebitLamb-compression",
-        "ZeroOneAdam-variance",
-        "ZeroOneAdam-1bit",
-        "ZeroOneAdam-last-1bit",
-        "ZeroOneAdam-sync",
-    ],
+    ("name", "bad_step", "phase"), COMMUNICATING, ids=[f"{n}-{ph}" for n, _, ph in COMMUNICATING]
 )
-def test_nonfinite_gradient_on_one_rank_skips_everywhere_untouched(bad_step, world_size, name):
+def test_nonfinite_gradient_on_one_rank_skips_everywhere_untouched(
+    bad_step, phase, world_size, name
+):
     # Several optimizer buckets: those without the inf are exchanged during backward and must
     # be dropped, not committed, when the step is skipped (1-bit LAMB at step 4: σ too).
     results = run_ranks(_train, world_size, 1e-4, 100, 1, bad_step, False, name, timeout=TIMEOUT)
-    if name != "ZeroOneAdam":  # its replicas part between syncs; the skip moves the schedule
+    del phase
+    if name in ALWAYS_SYNCED:  # else replicas part between syncs; the skip moves the schedule
         _check_replicas(results)
     for r in results:
         assert r["untouched_at_bad"] is True
@@ -238,7 +221,7 @@ def test_nonfinite_gradient_on_one_rank_skips_everywhere_untouched(bad_step, wor
         assert r["states_equal"]
 
 
-@pytest.mark.parametrize("name", ["OnebitAdam", "OnebitLamb", "ZeroOneAdam"])
+@pytest.mark.parametrize("name", list(BY_NAME))
 @pytest.mark.parametrize("opt_bucket", [None, 100], ids=["one-optimizer-bucket", "several"])
 def test_optimizer_parameter_outside_ddp_model(opt_bucket, name):
     # The optimizer also owns a parameter DDP never sees: its bucket is completed by step()
@@ -298,11 +281,12 @@ def test_parameters_of_another_optimizer_get_ddp_average():
     [(25.0, None), (1e-4, None), (1e-4, 100)],
     ids=["one-ddp-bucket", "ddp-bucket-per-tensor", "several-optimizer-buckets"],
 )
-def test_hook_with_zero_one_adam_equals_standalone(bucket_cap_mb, opt_bucket, world_size):
+@pytest.mark.parametrize("name", WITH_LOCAL_STEPS)
+def test_hook_with_local_steps_equals_standalone(bucket_cap_mb, opt_bucket, world_size, name):
     # Variance steps (1, 2, 4) averaged and 1-bit steps (3, 5) exchanged through the hook;
     # phase B keeps local gradients in DDP and communicates in step() (sync steps 6 and 8).
     results = run_ranks(
-        _train, world_size, bucket_cap_mb, opt_bucket, 1, 0, False, "ZeroOneAdam", timeout=TIMEOUT
+        _train, world_size, bucket_cap_mb, opt_bucket, 1, 0, False, name, timeout=TIMEOUT
     )
     _check_replicas(results)
     for r in results:
@@ -361,7 +345,7 @@ def _bf16_under_ddp(backend, name: str, hook: bool):
     model[2].to(torch.bfloat16)
     model.forward = lambda x: model[3](model[2](model[1](model[0](x)).bfloat16()).float())
     ddp = DistributedDataParallel(model)
-    opt = OPTIMIZERS[name](ddp.parameters(), backend)
+    opt = BY_NAME[name].make(ddp.parameters(), mode="ddp-hook", backward=True, backend=backend)
     if hook:
         ddp.register_comm_hook(
             commopt.ddp.OnebitHookState(opt, exchange_in_backward=True), commopt.ddp.onebit_hook
@@ -380,7 +364,7 @@ def _bf16_under_ddp(backend, name: str, hook: bool):
 
 
 @pytest.mark.parametrize("hook", [True, False], ids=["hook", "no-hook"])
-@pytest.mark.parametrize("name", list(OPTIMIZERS))
+@pytest.mark.parametrize("name", list(BY_NAME))
 def test_bf16_parameters_under_ddp_train_and_stay_identical(name, hook):
     results = run_ranks(_bf16_under_ddp, 2, name, hook, timeout=TIMEOUT)
     _check_replicas(results)

@@ -15,7 +15,8 @@ from torch.nn.parallel import DistributedDataParallel
 import commopt
 import commopt.lightning
 from tests.multirank.harness import run_ranks
-from tests.multirank.test_ddp_hook_gloo import OPTIMIZERS, STEPS, _batch, _model
+from tests.multirank.test_ddp_hook_gloo import STEPS, _batch, _model
+from tests.optim_registry import BY_NAME
 
 
 def _train(backend, name: str, hook: str, view: bool) -> dict:
@@ -25,7 +26,7 @@ def _train(backend, name: str, hook: str, view: bool) -> dict:
         if hook == "none"
         else DistributedDataParallel(copy.deepcopy(plain), gradient_as_bucket_view=view)
     )
-    opt = OPTIMIZERS[name](model.parameters(), backend)
+    opt = BY_NAME[name].make(model.parameters(), mode="ddp-hook", backward=True, backend=backend)
     if hook != "none":
         state = commopt.ddp.OnebitHookState(opt, exchange_in_backward=hook == "early")
         model.register_comm_hook(state, commopt.ddp.onebit_hook)
@@ -43,7 +44,7 @@ def _train(backend, name: str, hook: str, view: bool) -> dict:
 
 
 @pytest.mark.parametrize("view", [False, True], ids=["copy", "bucket_view"])
-@pytest.mark.parametrize("name", list(OPTIMIZERS))
+@pytest.mark.parametrize("name", list(BY_NAME))
 def test_late_exchange_equals_standalone(name: str, view: bool) -> None:
     late = run_ranks(_train, 2, name, "late", view, timeout=120)
     early = run_ranks(_train, 2, name, "early", view, timeout=120)

@@ -17,7 +17,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 import commopt
 from tests.multirank.harness import run_ranks
-from tests.multirank.test_ddp_hook_gloo import OPTIMIZERS, _batch
+from tests.multirank.test_ddp_hook_gloo import _batch
+from tests.optim_registry import BY_NAME
 
 STEPS = 10
 
@@ -44,7 +45,7 @@ def _train(backend, name: str, hook: bool, view: bool = False) -> list[str]:
             copy.deepcopy(net), find_unused_parameters=True, gradient_as_bucket_view=view
         )
         net = model.module
-    opt = OPTIMIZERS[name](model.parameters(), backend)
+    opt = BY_NAME[name].make(model.parameters(), mode="ddp-hook", backward=True, backend=backend)
     if hook:
         model.register_comm_hook(
             commopt.ddp.OnebitHookState(opt, exchange_in_backward=True), commopt.ddp.onebit_hook
@@ -62,7 +63,7 @@ def _train(backend, name: str, hook: bool, view: bool = False) -> list[str]:
 
 
 @pytest.mark.parametrize("view", [False, True], ids=["copy", "bucket_view"])
-@pytest.mark.parametrize("name", list(OPTIMIZERS))
+@pytest.mark.parametrize("name", list(BY_NAME))
 def test_find_unused_parameters_equals_standalone(name: str, view: bool) -> None:
     hooked = run_ranks(_train, 2, name, True, view, timeout=120)
     alone = run_ranks(_train, 2, name, False, timeout=120)

@@ -12,6 +12,7 @@ import torch
 
 import commopt
 from tests.multirank.harness import run_ranks
+from tests.optim_registry import BY_NAME
 
 TIMEOUT = 300.0
 STEPS = 24
@@ -22,15 +23,10 @@ def _model() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(5, 12), torch.nn.Tanh(), torch.nn.Linear(12, 3))
 
 
-def _make(kind: str, params, backend, feedback: str = "econtrol"):
-    common = dict(backend=backend, error_feedback=feedback, econtrol_eta=0.2)
-    if kind == "OnebitAdam":
-        return commopt.OnebitAdam(params, lr=0.01, freeze_step=6, **common)
-    if kind == "OnebitLamb":
-        return commopt.OnebitLamb(params, lr=0.01, freeze_step=6, **common)
-    return commopt.ZeroOneAdam(
-        params, lr=0.01, betas=(0.9, 0.95), var_freeze_step=10, local_step_scaler=4, **common
-    )
+def _make(kind: str, params, backend, mode: str = "econtrol"):
+    """The registry's optimizer with EControl (or classic feedback: ``mode="standalone"``),
+    full precision up to step 8 (a resume at step 12 lands in the compressed phase)."""
+    return BY_NAME[kind].make(params, mode=mode, freeze=8, backend=backend, econtrol_eta=0.2)
 
 
 def _train(model, opt, rank: int, steps: range) -> None:
@@ -68,7 +64,7 @@ def _run(backend, kind: str):
     _train(model2, resumed, rank, range(STEPS // 2, STEPS))
     exact = bool(torch.equal(_flat(resumed, model2), whole))
 
-    classic = _make(kind, _model().parameters(), backend, feedback="classic")
+    classic = _make(kind, _model().parameters(), backend, mode="standalone")
     _train(_model(), classic, rank, range(2))
     target = _make(kind, _model().parameters(), backend)
     with warnings.catch_warnings(record=True) as caught:
@@ -79,9 +75,10 @@ def _run(backend, kind: str):
     return params, comm["exchange"], names, exact, reset
 
 
-@pytest.mark.parametrize("kind", ["OnebitAdam", "OnebitLamb", "ZeroOneAdam"])
+@pytest.mark.parametrize("kind", list(BY_NAME))
 def test_econtrol_optimizers_identical_replicas_and_exact_resume(kind):
     results = run_ranks(_run, 2, kind, timeout=TIMEOUT)
+    assert BY_NAME[kind].communicates(STEPS, 8)  # the last step: replicas agree
     for params, exchange, names, exact, reset in results:
         assert torch.equal(params, results[0][0])  # bit-identical replicas
         assert exchange == "flat-econtrol"

@@ -8,23 +8,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-import commopt
 from tests.multirank.harness import run_ranks
+from tests.optim_registry import BY_NAME
 
 TIMEOUT = 240
 
-FACTORIES = {
-    "OnebitAdam": lambda p: commopt.OnebitAdam(p, lr=1e-2, freeze_step=4),
-    "OnebitLamb": lambda p: commopt.OnebitLamb(p, lr=1e-2, freeze_step=4),
-    "ZeroOneAdam": lambda p: commopt.ZeroOneAdam(
-        p,
-        lr=1e-2,
-        var_freeze_step=4,
-        var_update_scaler=1,
-        local_step_scaler=2,
-        local_step_clipper=2,
-    ),
-}
+FREEZE = 4  # the last full-precision step: runs of 9 to 40 steps are mostly compressed
+
+
+def _make(name: str, params, **overrides):
+    return BY_NAME[name].make(params, freeze=FREEZE, **overrides)
 
 
 def _problem(dtype: torch.dtype, rank: int, step: int):
@@ -42,7 +35,7 @@ def _gather(backend, t: torch.Tensor) -> torch.Tensor:
 
 
 # -- bf16 parameters with fp32 master weights ----------------------------------------------------
-@pytest.mark.parametrize("name", sorted(FACTORIES))
+@pytest.mark.parametrize("name", list(BY_NAME))
 def test_bf16_master_weights_are_the_fp32_algorithm(name):
     # One rank: the master weights of a bf16 model must be bit for bit what the same optimizer
     # does to fp32 parameters fed the same (bf16-computed) gradients, and the parameters their
@@ -50,8 +43,8 @@ def test_bf16_master_weights_are_the_fp32_algorithm(name):
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 3).to(torch.bfloat16)
     ref = [torch.nn.Parameter(p.detach().float().clone()) for p in model.parameters()]
-    opt = FACTORIES[name](model.parameters())
-    ref_opt = FACTORIES[name](ref)
+    opt = _make(name, model.parameters())
+    ref_opt = _make(name, ref)
     for step in range(1, 10):
         x, y = _problem(torch.bfloat16, 0, step)
         opt.zero_grad()
@@ -80,10 +73,7 @@ def test_bf16_master_weights_are_the_fp32_algorithm(name):
 def _run(backend, name: str, dtype: torch.dtype):
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 3).to(dtype)
-    if name == "OnebitLamb":  # the trust ratio makes LAMB's steps small: a larger lr
-        opt = commopt.OnebitLamb(model.parameters(), lr=0.1, freeze_step=4)
-    else:
-        opt = FACTORIES[name](model.parameters())
+    opt = _make(name, model.parameters())
     losses = []
     for step in range(1, 41):
         x, y = _problem(dtype, backend.rank, step)
@@ -104,8 +94,9 @@ def _run(backend, name: str, dtype: torch.dtype):
     }
 
 
-@pytest.mark.parametrize("name", sorted(FACTORIES))
+@pytest.mark.parametrize("name", list(BY_NAME))
 def test_bf16_converges_and_replicas_stay_identical(name):
+    assert BY_NAME[name].communicates(40, FREEZE)  # the last step: replicas agree
     fp32 = run_ranks(_run, 2, name, torch.float32, timeout=TIMEOUT)
     for r, r32 in zip(run_ranks(_run, 2, name, torch.bfloat16, timeout=TIMEOUT), fp32, strict=True):
         assert r["dtype"] == "torch.bfloat16" and r["master_dtype"] == "torch.float32"
@@ -123,7 +114,7 @@ def test_bf16_converges_and_replicas_stay_identical(name):
 def _scaled_run(backend, name: str, use_scaler: bool, inf_step: int):
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 3)
-    opt = FACTORIES[name](model.parameters())
+    opt = _make(name, model.parameters())
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16) if use_scaler else None
     scales = []
     for step in range(1, 13):
@@ -141,14 +132,16 @@ def _scaled_run(backend, name: str, use_scaler: bool, inf_step: int):
             opt.step()
     return {
         "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
+        "shared": BY_NAME[name].shared(opt, model.parameters(), FREEZE),
         "skipped": opt.comm_stats()["skipped_steps"],
         "step": opt.global_state["step"],
         "scales": scales,
     }
 
 
-@pytest.mark.parametrize("name", ["OnebitAdam", "OnebitLamb"])
+@pytest.mark.parametrize("name", list(BY_NAME))
 def test_grad_scaler_is_exact_and_agrees_on_overflow(name):
+    assert BY_NAME[name].communicates(6, FREEZE)  # (0/1 Adam: a sync) the skip is agreed
     # Scaling by a power of two and unscaling is exact, so scaler.step(opt) must reproduce the
     # unscaled run bit for bit — including the step skipped on both ranks for rank 1's inf.
     plain = run_ranks(_scaled_run, 2, name, False, 6, timeout=TIMEOUT)
@@ -157,7 +150,7 @@ def test_grad_scaler_is_exact_and_agrees_on_overflow(name):
         assert torch.equal(p["params"], s["params"])
         assert p["skipped"] == s["skipped"] == 1
         assert p["step"] == s["step"] == 11
-    assert torch.equal(scaled[0]["params"], scaled[1]["params"])
+    assert torch.equal(scaled[0]["shared"], scaled[1]["shared"])
     # GradScaler's own bookkeeping stays local: only rank 1 saw the inf and backed off.
     assert scaled[0]["scales"][5] == 2.0**16 and scaled[1]["scales"][5] == 2.0**15
 
@@ -165,10 +158,7 @@ def test_grad_scaler_is_exact_and_agrees_on_overflow(name):
 def _fp16_autocast_run(backend, name: str):
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 3)
-    if name == "OnebitLamb":
-        opt = commopt.OnebitLamb(model.parameters(), lr=0.1, freeze_step=4)
-    else:
-        opt = FACTORIES[name](model.parameters())
+    opt = _make(name, model.parameters())
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12, growth_interval=5)
     losses = []
     for step in range(1, 41):
@@ -183,11 +173,11 @@ def _fp16_autocast_run(backend, name: str):
         losses.append(float(loss.detach()))
     return {
         "losses": losses,
-        "replicas": _gather(backend, torch.cat([p.reshape(-1) for p in model.parameters()])),
+        "replicas": _gather(backend, BY_NAME[name].shared(opt, model.parameters(), FREEZE)),
     }
 
 
-@pytest.mark.parametrize("name", sorted(FACTORIES))
+@pytest.mark.parametrize("name", list(BY_NAME))
 def test_fp16_autocast_with_grad_scaler_converges(name):
     for r in run_ranks(_fp16_autocast_run, 2, name, timeout=TIMEOUT):
         first, last = sum(r["losses"][:4]) / 4, sum(r["losses"][-4:]) / 4

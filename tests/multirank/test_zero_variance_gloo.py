@@ -15,8 +15,8 @@ import warnings
 import pytest
 import torch
 
-from commopt import OnebitAdam, OnebitLamb, ZeroOneAdam
 from tests.multirank.harness import run_ranks
+from tests.optim_registry import BY_NAME
 
 TIMEOUT = 120.0
 ROWS, COLS = 8, 6
@@ -33,20 +33,7 @@ def _grad(rank: int, step: int, late_from: int) -> torch.Tensor:
     return g
 
 
-def _make(name: str, params):
-    if name == "OnebitAdam":
-        return OnebitAdam(params, lr=1e-2, freeze_step=6)
-    if name == "OnebitLamb":
-        return OnebitLamb(params, lr=1e-2, freeze_step=6)
-    # variance steps 1, 2, 4, 6, 8, 12; phase B from step 13, syncs every 1, then 2 steps
-    return ZeroOneAdam(
-        params,
-        lr=1e-2,
-        var_freeze_step=12,
-        var_update_scaler=2,
-        local_step_scaler=4,
-        local_step_clipper=2,
-    )
+FREEZE = 12  # the last full-precision step (0/1 Adam: variance steps 1, 2, 4, 6, 8, 12)
 
 
 def _train(backend, name: str, late_from: int):
@@ -54,7 +41,7 @@ def _train(backend, name: str, late_from: int):
     torch.manual_seed(0)
     table = torch.nn.Parameter(torch.randn(ROWS, COLS))
     start = table.detach().clone()
-    opt = _make(name, [table])
+    opt = BY_NAME[name].make([table], freeze=FREEZE)
     history = []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -66,9 +53,9 @@ def _train(backend, name: str, late_from: int):
     return {"start": start, "history": history, "warnings": messages}
 
 
-@pytest.mark.parametrize("name", ["OnebitAdam", "OnebitLamb", "ZeroOneAdam"])
+@pytest.mark.parametrize("name", list(BY_NAME))
 def test_rows_with_zero_variance_stay_put_and_replicas_agree(name: str) -> None:
-    late_from = 9  # inside the compression stage / phase A after the variance steps 1–8
+    info, late_from = BY_NAME[name], 9  # before the freeze; for 0/1 Adam a 1-bit step
     results = run_ranks(_train, 2, name, late_from, timeout=TIMEOUT)
     start, history = results[0]["start"], results[0]["history"]
     final = history[-1]
@@ -77,26 +64,32 @@ def test_rows_with_zero_variance_stay_put_and_replicas_agree(name: str) -> None:
         assert torch.equal(final[row], start[row]), f"dead row {row} moved: {final[row]}"
     live = [r for r in range(ROWS) if r not in DEAD and r != LATE]
     assert all(not torch.equal(final[r], start[r]) for r in live)
-    # the last step (24) is a sync step for 0/1 Adam, a compressed step for the others
+    assert info.communicates(STEPS, FREEZE)
     assert torch.equal(final, results[1]["history"][-1])
-    if name == "ZeroOneAdam":
-        # row 2's first gradient comes at step 9, not a variance step: v is still 0 there, so
-        # it stays; the variance step 12 gives it a variance and it moves from then on
-        for step in range(1, 12):
-            assert torch.equal(history[step - 1][LATE], start[LATE]), step
-        assert not torch.equal(history[11][LATE], start[LATE])
-    else:  # the variance froze at step 6 with row 2 at zero: it never moves
-        assert torch.equal(final[LATE], start[LATE])
+    # row 2's v stays 0 until the first step from late_from on that updates the variance (1-bit
+    # Adam and LAMB: step 9 itself; 0/1 Adam: 9–11 are 1-bit steps, the next variance step 12)
+    moves_at = min(
+        t
+        for ph in info.phases(STEPS, FREEZE)
+        if ph.updates_variance
+        for t in ph.steps
+        if t >= late_from
+    )
+    for step in range(1, moves_at):
+        assert torch.equal(history[step - 1][LATE], start[LATE]), step
+    assert not torch.equal(history[moves_at - 1][LATE], start[LATE])
     # the guard says so, once, on rank 0 only
     assert len(results[0]["warnings"]) == 1, results[0]["warnings"]
     assert f"{name}: " in results[0]["warnings"][0]
     assert results[1]["warnings"] == []
 
 
-def test_zero_one_phase_b_discards_local_gradients_where_v_is_zero() -> None:
-    """Row 2 gets gradients only in phase B (from step 13), where v is frozen at 0 for it:
-    neither its local steps nor the syncs may move it (locally m/ε would be ~1e6 per step)."""
-    results = run_ranks(_train, 2, "ZeroOneAdam", 13, timeout=TIMEOUT)
+@pytest.mark.parametrize("name", list(BY_NAME))
+def test_gradients_that_start_after_the_freeze_do_not_move_a_zero_variance_row(name: str) -> None:
+    """Row 2 gets gradients only after the freeze (from step 13), where v is frozen at 0 for
+    it: neither compressed steps nor 0/1 Adam's local steps and syncs may move it (m/ε would
+    be ~1e6 per step)."""
+    results = run_ranks(_train, 2, name, FREEZE + 1, timeout=TIMEOUT)
     for res in results:
         start = res["start"]
         for step, table in enumerate(res["history"], start=1):
