@@ -158,6 +158,14 @@ class OptimizerInfo:
         synced_copy: the per-parameter state key of the parameters as of the last sync, which
             the replicas share after a local step (0/1 Adam's ``p_sync``); None: every step
             communicates.
+        joins_after_freeze: a param group added after the freeze runs its own warmup; False:
+            it is refused (0/1 Adam's variance is frozen for every parameter at once).
+        dense_variance: overrides under which v is updated on every one of the first tens of
+            steps and settles within them, as the automatic freeze's tests need (0/1 Adam:
+            ``var_update_scaler=32`` and β2 = 0.95; the 1-bit optimizers update v on every
+            warmup step).
+        options: switches that take another code path (not just other numbers, as
+            ``variants``): each is run by the tests of work started during backward.
     """
 
     name: str
@@ -171,6 +179,9 @@ class OptimizerInfo:
     extra_global_keys: tuple[str, ...] = field(default=())
     backward_config: Mapping[str, Any] = field(default_factory=dict)
     synced_copy: str | None = None
+    joins_after_freeze: bool = True
+    dense_variance: Mapping[str, Any] = field(default_factory=dict)
+    options: tuple[Mapping[str, Any], ...] = ()
 
     @property
     def freeze_key(self) -> str:
@@ -206,10 +217,10 @@ class OptimizerInfo:
             config = {**config, self.freeze_key: freeze}
         return self.schedule(config, self.steps if steps is None else steps)
 
-    def communicates(self, step: int, freeze: int | None = None) -> bool:
-        """Whether ``step`` of the test config (``freeze`` as in :meth:`make`) talks to other
-        ranks: after such a step the replicas are bit-identical."""
-        phases = self.phases(max(step, self.steps), freeze)
+    def communicates(self, step: int, freeze: int | None = None, backward: bool = False) -> bool:
+        """Whether ``step`` of the test config (``freeze`` and ``backward`` as in :meth:`make`)
+        talks to other ranks: after such a step the replicas are bit-identical."""
+        phases = self.phases(max(step, self.steps), freeze, backward)
         return any(step in ph.steps and ph.communicates for ph in phases)
 
     def phase_of(self, step: int) -> Phase:
@@ -217,6 +228,11 @@ class OptimizerInfo:
             if step in phase.steps:
                 return phase
         raise ValueError(f"{self.name}: step {step} is in no phase")
+
+    def phase_starts(self, steps: int, backward: bool = False) -> list[tuple[int, str]]:
+        """(first step, phase name) of each phase that communicates, in step order."""
+        starts = [(ph.first, ph.name) for ph in self.phases(steps, backward=backward)]
+        return sorted(start for start in starts if self.communicates(start[0], backward=backward))
 
     def shared(
         self, opt: torch.optim.Optimizer, params: Any, freeze: int | None = None
@@ -405,6 +421,7 @@ OPTIMIZERS: tuple[OptimizerInfo, ...] = (
         variants=(
             {"weight_decay": 0.02, "factor_threshold": 0.3, "max_coeff": 0.5, "coeff_beta": 0.5},
         ),
+        options=({"trust_ratio": "tracking"}, {"trust_ratio": "max"}),
         backward_config={"lr": 0.02, "freeze_step": 3, "weight_decay": 0.01},
     ),
     OptimizerInfo(
@@ -441,6 +458,9 @@ OPTIMIZERS: tuple[OptimizerInfo, ...] = (
             "lrs",
         ),
         synced_copy="p_sync",
+        joins_after_freeze=False,
+        dense_variance={"var_update_scaler": 32, "betas": (0.9, 0.95)},
+        options=({"bias_correction": False},),
         backward_config={
             "lr": 0.02,
             "weight_decay": 0.01,

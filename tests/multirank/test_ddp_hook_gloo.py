@@ -44,10 +44,7 @@ WITH_LOCAL_STEPS = [info.name for info in OPTIMIZERS if info.synced_copy is not 
 #: Adam's variance steps 1, 2, 4 averaged and 1-bit steps 3, 5 exchanged through it, phase B
 #: (6–8) in step())
 COMMUNICATING = [
-    (info.name, ph.first, ph.name)
-    for info in OPTIMIZERS
-    for ph in info.phases(STEPS, backward=True)
-    if ph.communicates
+    (i.name, step, phase) for i in OPTIMIZERS for step, phase in i.phase_starts(STEPS, True)
 ]
 
 

@@ -21,6 +21,7 @@ from experiments.convergence import run as convergence
 from experiments.convergence.tasks import load_task
 from experiments.optim import bench_step
 from experiments.tcp import bench as tcp
+from tests.optim_registry import BY_NAME
 
 N = 2
 STEPS = 6
@@ -99,7 +100,7 @@ def test_convergence_smoke(tmp_path: pathlib.Path, task: str, task_args: list[st
     fp16 = [b - a for a, b in zip(runs["DDP-fp16"], runs["DDP-fp16"][1:], strict=False)]
     assert fp16 == [int(_ring_fp32(numel) / 2)] * STEPS
     # After the freeze step every 1-bit variant sends far less per step than the fp16 hook.
-    for label in ("OnebitAdam", "OnebitLamb", "ZeroOneAdam"):
+    for label in BY_NAME:
         late = runs[label][-1] - runs[label][WARMUP + 1]
         assert late < (STEPS - WARMUP - 1) * fp16[0] / 4, label
 

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from tests.multirank.harness import run_example_under_torchrun
+from tests.optim_registry import BY_NAME
 
 pytest.importorskip("lightning", reason="needs Lightning: pip install 'commopt[lightning]'")
 
@@ -18,7 +19,7 @@ def test_lightning_example_equals_standalone_for_each_optimizer(tmp_path):
     result = run_example_under_torchrun(EXAMPLE, ["--steps", "30", "--freeze-step", "10"], tmp_path)
     assert result["world_size"] == 2
     runs = result["optimizers"]
-    assert set(runs) == {"OnebitAdam", "OnebitLamb", "ZeroOneAdam"}
+    assert set(runs) == set(BY_NAME)
     for name, run in runs.items():
         assert run["equals_standalone"], name  # on every rank, bit for bit
         assert len(run["losses"]) == 30, name

@@ -11,6 +11,7 @@ import torch
 
 from commopt import OnebitAdam, OnebitLamb, ZeroOneAdam
 from tests.multirank.harness import RankError, run_ranks
+from tests.optim_registry import BY_NAME
 
 TIMEOUT = 120.0
 
@@ -22,12 +23,12 @@ def _gathered(backend, t: torch.Tensor) -> list[torch.Tensor]:
 
 
 def _missing_gradients(backend, cls_name: str):
-    cls = {"OnebitAdam": OnebitAdam, "OnebitLamb": OnebitLamb, "ZeroOneAdam": ZeroOneAdam}[cls_name]
-    kw = {"var_freeze_step": 3} if cls is ZeroOneAdam else {"freeze_step": 3}
+    info = BY_NAME[cls_name]
     torch.manual_seed(0)
     w, some, none = (torch.nn.Parameter(torch.randn(6)) for _ in range(3))
     none_before = none.detach().clone()
-    opt = cls([{"params": [w, some, none], "weight_decay": 0.1}], lr=0.05, backend=backend, **kw)
+    group = {"params": [w, some, none], "weight_decay": 0.1}
+    opt = info.make([group], freeze=3, lr=0.05, backend=backend)
     for t in range(8):
         opt.zero_grad()
         ((w - t) ** 2).sum().backward()
@@ -39,11 +40,11 @@ def _missing_gradients(backend, cls_name: str):
     return {
         "none_unchanged": torch.equal(none, none_before),
         "some_moved": not torch.equal(some.detach(), none_before),
-        "replicas": [_gathered(backend, p.detach()) for p in (w, some)],
+        "replicas": [_gathered(backend, info.shared(opt, [p], freeze=3)) for p in (w, some)],
     }
 
 
-@pytest.mark.parametrize("cls_name", ["OnebitAdam", "OnebitLamb", "ZeroOneAdam"])
+@pytest.mark.parametrize("cls_name", list(BY_NAME))
 def test_gradient_missing_everywhere_is_skipped_missing_on_one_rank_is_zero(cls_name):
     for res in run_ranks(_missing_gradients, 2, cls_name, timeout=TIMEOUT):
         assert res["none_unchanged"]

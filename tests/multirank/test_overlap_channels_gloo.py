@@ -54,9 +54,9 @@ def _train(backend, names: tuple[str, ...], overlap: bool, user_collectives: boo
     return digests
 
 
+#: each optimizer alone, and each beside the next one in the registry (two channels at once)
 CASES = [(i.name,) for i in OPTIMIZERS] + [
-    ("OnebitAdam", "OnebitLamb"),
-    ("ZeroOneAdam", "OnebitAdam"),
+    (a.name, b.name) for a, b in zip(OPTIMIZERS, OPTIMIZERS[1:] + OPTIMIZERS[:1], strict=True)
 ]
 
 

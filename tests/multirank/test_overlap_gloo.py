@@ -20,7 +20,7 @@ import torch
 
 import commopt
 from tests.multirank.harness import run_ranks
-from tests.optim_registry import BY_NAME, OPTIMIZERS
+from tests.optim_registry import BY_NAME, MODES, OPTIMIZERS
 
 TIMEOUT = 240
 FREEZE = 3
@@ -194,24 +194,16 @@ def test_overlap_equals_no_overlap_every_step(opt_bucket, world_size, name):
     assert len(results[0]["buckets"]) == (1 if opt_bucket is None else 4)
 
 
+#: every optimizer with EControl, and each with its registry options
+WITH_OPTIONS = [(i.name, MODES["econtrol"]) for i in OPTIMIZERS] + [
+    (i.name, option) for i in OPTIMIZERS for option in i.options
+]
+
+
 @pytest.mark.parametrize(
     ("name", "extra"),
-    [
-        ("OnebitAdam", {"error_feedback": "econtrol"}),
-        ("OnebitLamb", {"error_feedback": "econtrol"}),
-        ("OnebitLamb", {"trust_ratio": "tracking"}),
-        ("OnebitLamb", {"trust_ratio": "max"}),
-        ("ZeroOneAdam", {"error_feedback": "econtrol"}),
-        ("ZeroOneAdam", {"bias_correction": False}),
-    ],
-    ids=[
-        "OnebitAdam-econtrol",
-        "OnebitLamb-econtrol",
-        "OnebitLamb-tracking",
-        "OnebitLamb-max",
-        "ZeroOneAdam-econtrol",
-        "ZeroOneAdam-uncorrected",
-    ],
+    WITH_OPTIONS,
+    ids=[f"{n}-{','.join(f'{k}={v}' for k, v in o.items())}" for n, o in WITH_OPTIONS],
 )
 def test_overlap_with_options_equals_no_overlap(name, extra):
     # EControl's state (h, e) is staged like the classic error buffers; "tracking" changes only
@@ -267,34 +259,19 @@ def test_overlap_no_sync_accumulation(name):
         assert r["states_equal"]
 
 
+#: (optimizer, step, phase): the first step of each phase that communicates
+PHASE_STARTS = [
+    (i.name, step, phase) for i in OPTIMIZERS for step, phase in i.phase_starts(STEPS, True)
+]
+
+
 @pytest.mark.parametrize(
-    ("name", "bad_step"),
-    [
-        ("OnebitAdam", 2),
-        ("OnebitAdam", 6),
-        ("OnebitLamb", 2),
-        ("OnebitLamb", 4),
-        ("OnebitLamb", 6),
-        ("ZeroOneAdam", 2),
-        ("ZeroOneAdam", 3),
-        ("ZeroOneAdam", 6),
-        ("ZeroOneAdam", 8),
-    ],
-    ids=[
-        "OnebitAdam-warmup",
-        "OnebitAdam-compression",
-        "OnebitLamb-warmup",
-        "OnebitLamb-first-compression",
-        "OnebitLamb-compression",
-        "ZeroOneAdam-variance",
-        "ZeroOneAdam-1bit",
-        "ZeroOneAdam-first-sync",
-        "ZeroOneAdam-sync",
-    ],
+    ("name", "bad_step", "phase"), PHASE_STARTS, ids=[f"{n}-{ph}" for n, _, ph in PHASE_STARTS]
 )
-def test_overlap_nonfinite_gradient_skips_everywhere_untouched(name, bad_step):
+def test_overlap_nonfinite_gradient_skips_everywhere_untouched(name, bad_step, phase):
     # Several buckets: those without the inf are exchanged during backward, and must be dropped,
     # not committed (1-bit LAMB at step 4: nor σ frozen).
+    del phase
     for r in run_ranks(_train, 2, 100, 1, bad_step, False, False, name, timeout=TIMEOUT):
         assert r["untouched"] is True
         assert r["skipped"] == [1, 1]
@@ -312,15 +289,19 @@ def test_overlap_second_synced_backward_equals_no_overlap(name):
         assert r["skipped"] == [0, 0]
 
 
-#: per optimizer: (full-precision steps, 1-bit steps during backward, syncs in step())
-_PHASES = {"OnebitAdam": (FREEZE, STEPS - FREEZE, 0), "OnebitLamb": (FREEZE, STEPS - FREEZE, 0)}
-_PHASES["ZeroOneAdam"] = (3, 2 + len(SYNC_STEPS), 0)  # variance 1, 2, 4; 1-bit 3, 5; syncs 6, 8
+def _phases(name: str) -> tuple[int, int, int]:
+    """(full-precision steps, 1-bit steps during backward, syncs in step()) of the registry's
+    backward-time schedule: with overlap on, 0/1 Adam's syncs are staged during backward too."""
+    phases = BY_NAME[name].phases(STEPS, backward=True)
+    averaged = sum(len(ph.steps) for ph in phases if ph.updates_variance)
+    exchanged = sum(len(ph.steps) for ph in phases if ph.communicates and not ph.updates_variance)
+    return averaged, exchanged, 0
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_overlap_collectives_run_on_the_thread_in_exchange_order(name):
     results = run_ranks(_train, 2, 100, 1, 0, False, True, name, timeout=TIMEOUT)
-    averaged, exchanged, synced = _PHASES[name]
+    averaged, exchanged, synced = _phases(name)
     for r in results:
         assert r["same"] == [True] * STEPS, r["same"]
         buckets = r["buckets"]

@@ -1,8 +1,9 @@
 """freeze_step=AutoFreezeSettings(...) on the three optimizers, in one process: the constants
 reach the rule, ``"auto"`` is ``AutoFreezeSettings()``, resume across settings, the saved form.
 
-The runs are the noisy regression of tests/unit/test_beyond_options.py, where the default rule
-decides at step 71 (OnebitAdam), 101 (OnebitLamb) and 128 (ZeroOneAdam).
+The runs are the noisy regression of tests/unit/test_beyond_options.py with the registry's
+optimizers (lr 0.01, ``dense_variance``), where the default rule decides at step 71 (OnebitAdam),
+101 (OnebitLamb) and 128 (ZeroOneAdam).
 """
 
 from __future__ import annotations
@@ -20,10 +21,10 @@ import torch
 import commopt
 from commopt import AutoFreezeSettings
 from commopt.optim.freeze import AutoFreeze
+from tests.optim_registry import BY_NAME
 from tests.unit.test_beyond_options import NOISY, SINGLE, _model, _state, _train
 
-KINDS = ("OnebitAdam", "OnebitLamb", "ZeroOneAdam")
-FIELD = {"OnebitAdam": "freeze_step", "OnebitLamb": "freeze_step", "ZeroOneAdam": "var_freeze_step"}
+KINDS = tuple(BY_NAME)
 STEPS = 150  # past every default decision, so the compression stage is compared too
 CUT = 35  # an undecided save: before min_step = 40
 LOOSER = AutoFreezeSettings(threshold=0.1)  # decides earlier than the default
@@ -31,16 +32,8 @@ CAPPED = AutoFreezeSettings(threshold=0.02, max_step=90)  # never settles that f
 
 
 def _make(kind: str, freeze: Any, params) -> torch.optim.Optimizer:
-    if kind == "ZeroOneAdam":
-        return commopt.ZeroOneAdam(
-            params,
-            lr=0.01,
-            betas=(0.9, 0.95),
-            var_freeze_step=freeze,
-            var_update_scaler=32,
-            backend=SINGLE,
-        )
-    return getattr(commopt, kind)(params, lr=0.01, freeze_step=freeze, backend=SINGLE)
+    info = BY_NAME[kind]
+    return info.make(params, freeze=freeze, lr=0.01, backend=SINGLE, **info.dense_variance)
 
 
 class Run(NamedTuple):
@@ -131,7 +124,7 @@ def test_auto_is_the_default_settings_and_checkpoints_load_across(kind):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_resume_under_other_settings_needs_allow_and_continues_under_them(kind):
-    field = FIELD[kind]
+    field = BY_NAME[kind].freeze_key
     model = _model()
     first = _make(kind, "auto", model.parameters())
     _train(model, first, range(CUT), NOISY)
@@ -182,7 +175,7 @@ def test_the_saved_config_is_a_plain_dict_that_weights_only_loads(kind):
     torch.save(opt.state_dict(), buf)
     buf.seek(0)
     saved = torch.load(buf, weights_only=True)
-    assert saved["commopt"]["config"][FIELD[kind]] == dataclasses.asdict(LOOSER)
+    assert saved["commopt"]["config"][BY_NAME[kind].freeze_key] == dataclasses.asdict(LOOSER)
     resumed = _make(kind, LOOSER, model.parameters())
     resumed.load_state_dict(saved)  # the dict equals the settings: no config change
     _train(model, resumed, range(CUT, STEPS), NOISY)

@@ -10,19 +10,14 @@ import torch
 
 import commopt
 from commopt.optim import config
-
-FIELDS = {
-    "OnebitAdam": "freeze_step",
-    "OnebitLamb": "freeze_step",
-    "ZeroOneAdam": "var_freeze_step",
-}
+from tests.optim_registry import BY_NAME
 
 
-@pytest.mark.parametrize("name", sorted(FIELDS))
+@pytest.mark.parametrize("name", list(BY_NAME))
 def test_the_default_is_announced_once_and_an_explicit_value_never(name, monkeypatch) -> None:
     monkeypatch.setattr(config, "_announced", set())
     monkeypatch.delenv("RANK", raising=False)
-    cls, field = getattr(commopt, name), FIELDS[name]
+    cls, field = BY_NAME[name].cls, BY_NAME[name].freeze_key
     params = [torch.nn.Parameter(torch.zeros(3))]
     with pytest.warns(
         UserWarning, match=rf"{name}: {field} was not given, so its default of 100000"

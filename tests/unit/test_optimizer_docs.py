@@ -10,11 +10,12 @@ from pathlib import Path
 import pytest
 
 import commopt
+from tests.optim_registry import BY_NAME
 
 DOC = (Path(__file__).resolve().parents[2] / "docs/optimizers.md").read_text()
 
 
-@pytest.mark.parametrize("name", ["OnebitAdam", "OnebitLamb", "ZeroOneAdam"])
+@pytest.mark.parametrize("name", list(BY_NAME))
 def test_every_argument_and_default_is_in_the_table(name: str) -> None:
     section = DOC.split(f"### `commopt.{name}`", 1)[1].split("\n### ", 1)[0].split("\n## ", 1)[0]
     rows = re.findall(r"^\| `(\w+)` \| `(.*?)` \|", section, re.M)

@@ -10,14 +10,13 @@ import pytest
 import torch
 
 import commopt
-from commopt import OnebitAdam, OnebitLamb, ZeroOneAdam
+from commopt import OnebitLamb, ZeroOneAdam
+from tests.optim_registry import OPTIMIZERS, OptimizerInfo
 
-SMALL = {
-    OnebitAdam: dict(lr=0.05, freeze_step=2),
-    OnebitLamb: dict(lr=0.05, freeze_step=2),
-    ZeroOneAdam: dict(lr=0.05, var_freeze_step=2, var_update_scaler=1),
-}
-ALL = list(SMALL)
+
+def _make(info: OptimizerInfo, params, **overrides):
+    """The registry's optimizer, full precision for 2 steps only."""
+    return info.make(params, **{"freeze": 2, "lr": 0.05, **overrides})
 
 
 def _train(params, opt, steps, skip=()):
@@ -30,13 +29,13 @@ def _train(params, opt, steps, skip=()):
         opt.step()
 
 
-@pytest.mark.parametrize("cls", ALL)
-def test_parameter_without_gradient_is_skipped_entirely(cls):
+@pytest.mark.parametrize("info", OPTIMIZERS, ids=repr)
+def test_parameter_without_gradient_is_skipped_entirely(info):
     """#15.1: requires_grad=False in a decaying group: no decay, no momentum, as torch.optim."""
     w = torch.nn.Parameter(torch.randn(5))
     frozen = torch.nn.Parameter(torch.randn(4), requires_grad=False)
     before = frozen.detach().clone()
-    opt = cls([{"params": [w, frozen], "weight_decay": 0.1}], **SMALL[cls])
+    opt = _make(info, [{"params": [w, frozen], "weight_decay": 0.1}])
     _train([w, frozen], opt, 8)
     assert torch.equal(frozen, before)
     assert all(
@@ -45,44 +44,44 @@ def test_parameter_without_gradient_is_skipped_entirely(cls):
     assert not torch.equal(w.detach(), before[:1].expand(5))
 
 
-@pytest.mark.parametrize("cls", ALL)
-def test_complex_parameters_are_refused(cls):
+@pytest.mark.parametrize("info", OPTIMIZERS, ids=repr)
+def test_complex_parameters_are_refused(info):
     """#15.2: the imaginary part used to be dropped with only torch's casting warning."""
     z = torch.nn.Parameter(torch.tensor([1 + 2j]))
     with pytest.raises(TypeError, match=r"complex parameters.*view_as_real"):
-        cls([z], **SMALL[cls])
+        _make(info, [z])
 
 
-@pytest.mark.parametrize("cls", ALL)
-def test_float64_parameters_are_refused(cls):
+@pytest.mark.parametrize("info", OPTIMIZERS, ids=repr)
+def test_float64_parameters_are_refused(info):
     """#15.3: fp64 used to be computed in fp32 silently (0.9 came out as 0.9000000357627869)."""
     d = torch.nn.Parameter(torch.tensor([0.9], dtype=torch.float64))
     with pytest.raises(TypeError, match=r"float64 .*\.float\(\)"):
-        cls([d], **SMALL[cls])
-    opt = cls([torch.nn.Parameter(torch.zeros(2))], **SMALL[cls])
+        _make(info, [d])
+    opt = _make(info, [torch.nn.Parameter(torch.zeros(2))])
     with pytest.raises(TypeError, match="float64"):
         opt.add_param_group({"params": [d]})
 
 
-@pytest.mark.parametrize("cls", ALL)
-def test_meta_device_parameters_say_what_to_do(cls):
+@pytest.mark.parametrize("info", OPTIMIZERS, ids=repr)
+def test_meta_device_parameters_say_what_to_do(info):
     """#15.10: a clear error instead of Tensor.item() from deep inside."""
     meta = torch.nn.Parameter(torch.empty(3, device="meta"))
     with pytest.raises(ValueError, match=r"meta device.*materialise"):
-        cls([meta], **SMALL[cls])
+        _make(info, [meta])
 
 
-@pytest.mark.parametrize("cls", [OnebitAdam, OnebitLamb])
-def test_group_added_after_the_freeze_runs_its_own_warmup(cls):
+@pytest.mark.parametrize("info", [i for i in OPTIMIZERS if i.joins_after_freeze], ids=repr)
+def test_group_added_after_the_freeze_runs_its_own_warmup(info):
     """#15.4: a parameter added after the freeze used to keep v = 0 forever and never train.
     Now its group starts its own schedule: it is exactly a fresh optimizer on it, shifted."""
     torch.manual_seed(0)
     w, late = torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.tensor([5.0, -4.0]))
     twin = torch.nn.Parameter(late.detach().clone())
-    opt = cls([w], **SMALL[cls])
+    opt = _make(info, [w])
     _train([w], opt, 5)  # past the freeze
     opt.add_param_group({"params": [late]})
-    alone = cls([twin], **SMALL[cls])
+    alone = _make(info, [twin])
     for t in range(6):
         for o, ps in ((opt, [w, late]), (alone, [twin])):
             o.zero_grad()
@@ -106,16 +105,16 @@ def test_zero_one_adam_group_added_in_phase_a_trains_and_in_phase_b_is_refused()
         opt.add_param_group({"params": [torch.nn.Parameter(torch.ones(2))]})
 
 
-@pytest.mark.parametrize("cls", ALL)
-def test_resume_with_a_different_schedule_is_refused(cls):
+@pytest.mark.parametrize("info", OPTIMIZERS, ids=repr)
+def test_resume_with_a_different_schedule_is_refused(info):
     """#11.4: freeze_step used to be neither saved nor checked: the phase changed silently."""
-    field = "var_freeze_step" if cls is ZeroOneAdam else "freeze_step"
+    field = info.freeze_key
     w = torch.nn.Parameter(torch.randn(3))
-    opt = cls([w], **SMALL[cls])
+    opt = _make(info, [w])
     _train([w], opt, 3)
     sd = opt.state_dict()
     assert sd["commopt"]["config"][field] == 2
-    other = cls([torch.nn.Parameter(w.detach().clone())], **{**SMALL[cls], field: 7})
+    other = _make(info, [torch.nn.Parameter(w.detach().clone())], freeze=7)
     with pytest.raises(ValueError, match=rf"{field}: saved 2, now 7.*allow_config_change=True"):
         other.load_state_dict(sd)
     assert other.global_state["step"] == 0  # refused with nothing loaded
@@ -134,10 +133,10 @@ def test_config_is_one_frozen_place():
         OnebitLamb([{"params": [torch.nn.Parameter(torch.ones(2))], "max_coeff": 1.0}])
 
 
-@pytest.mark.parametrize("cls", ALL)
-def test_state_dict_records_rank_and_world_size(cls):
+@pytest.mark.parametrize("info", OPTIMIZERS, ids=repr)
+def test_state_dict_records_rank_and_world_size(info):
     """#15.11: a state dict says whose error buffers it holds."""
-    opt = cls([torch.nn.Parameter(torch.ones(2))], **SMALL[cls])
+    opt = _make(info, [torch.nn.Parameter(torch.ones(2))])
     _train(list(opt.param_groups[0]["params"]), opt, 3)
     comm = opt.state_dict()["commopt"]
     assert (comm["rank"], comm["world_size"], comm["exchange"]) == (0, 1, "flat")
@@ -182,8 +181,8 @@ def test_local_steps_skip_parameters_without_gradient():
     assert torch.equal(frozen, before)
 
 
-@pytest.mark.parametrize("cls", ALL)
-def test_a_table_path_as_backend_is_refused_at_construction(cls):
+@pytest.mark.parametrize("info", OPTIMIZERS, ids=repr)
+def test_a_table_path_as_backend_is_refused_at_construction(info):
     """#11.5: a path no longer builds a MixedBackend silently (a collective) at the first step."""
     with pytest.raises(TypeError, match=r"MixedBackend\.from_table"):
-        cls([torch.nn.Parameter(torch.ones(2))], backend="table.json", **SMALL[cls])
+        _make(info, [torch.nn.Parameter(torch.ones(2))], backend="table.json")

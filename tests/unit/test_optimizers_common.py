@@ -9,7 +9,9 @@ numerics (references, schedules, σ, …) stay in the per-optimizer files.
 
 from __future__ import annotations
 
+import ast
 import math
+import pathlib
 import warnings
 
 import pytest
@@ -17,6 +19,7 @@ import torch
 
 import commopt
 from tests.optim_registry import (
+    BY_NAME,
     IN,
     OPTIMIZERS,
     OptimizerInfo,
@@ -463,3 +466,42 @@ def test_registry_covers_every_public_optimizer() -> None:
         assert steps == list(range(1, info.steps + 1)), info.name  # a partition of the run
         assert all(ph.steps for ph in phases), info.name  # every phase occurs
         assert info.phase_of(info.steps).communicates  # the run ends with replicas in sync
+
+
+#: test modules that may name several optimizers in one table, and why
+OWN_TABLES = {
+    "tests/multirank/test_lamb_zero_one_gloo.py": "resume controls derived by hand from SPEC §3/§4",
+}
+
+
+def _optimizer_named(node: ast.AST) -> str | None:
+    """The optimizer a table entry names: "OnebitAdam", OnebitAdam, commopt.OnebitAdam, or a
+    tuple that starts with one of these."""
+    if isinstance(node, ast.Tuple) and node.elts:
+        return _optimizer_named(node.elts[0])
+    name = getattr(node, "value", None) if isinstance(node, ast.Constant) else None
+    name = getattr(node, "id", None) if isinstance(node, ast.Name) else name
+    name = getattr(node, "attr", None) if isinstance(node, ast.Attribute) else name
+    return name if name in BY_NAME else None
+
+
+def test_no_test_keeps_its_own_table_of_optimizers() -> None:
+    """Tests that run several optimizers take them from the registry (``OPTIMIZERS``,
+    ``BY_NAME``), so a new optimizer is covered everywhere: no list, tuple, set or dict literal
+    outside ``tests/optim_registry.py`` names two of them."""
+    root = pathlib.Path(__file__).resolve().parents[2]
+    found = []
+    for path in sorted((root / "tests").rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        if rel == "tests/optim_registry.py" or rel in OWN_TABLES:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.List, ast.Tuple, ast.Set)):
+                entries = node.elts
+            elif isinstance(node, ast.Dict):
+                entries = [k for k in node.keys if k is not None]
+            else:
+                continue
+            if len({_optimizer_named(e) for e in entries} - {None}) >= 2:
+                found.append(f"{rel}:{node.lineno}")
+    assert found == [], f"tables of optimizers outside the registry: {found}"

@@ -9,20 +9,15 @@ import itertools
 import pytest
 import torch
 
-import commopt
 from commopt.comm import SingleProcessBackend
+from tests.optim_registry import BY_NAME
 
-NAMES = ("OnebitAdam", "OnebitLamb", "ZeroOneAdam")
-FREEZE = {
-    "OnebitAdam": "freeze_step",
-    "OnebitLamb": "freeze_step",
-    "ZeroOneAdam": "var_freeze_step",
-}
+NAMES = tuple(BY_NAME)
 
 
 def _trained(name: str) -> torch.optim.Optimizer:
     w = torch.nn.Parameter(torch.ones(4))
-    opt = getattr(commopt, name)([w], backend=SingleProcessBackend(), **{FREEZE[name]: 2})
+    opt = BY_NAME[name].make([w], freeze=2, backend=SingleProcessBackend())
     for _ in range(3):
         w.grad = torch.full((4,), 0.5)
         opt.step()

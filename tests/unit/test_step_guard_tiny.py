@@ -11,6 +11,7 @@ import torch
 
 import commopt
 from commopt.optim.step_guard import TINY_VARIANCE, adam_step_bound
+from tests.optim_registry import BY_NAME
 
 SINGLE = commopt.SingleProcessBackend()
 DEFAULT = object()  # pass no step_guard at all
@@ -32,12 +33,8 @@ def _grads(t: int) -> list[torch.Tensor]:
 
 
 def _make(params, kind: str, guard=DEFAULT):
-    kw = {} if guard is DEFAULT else {"step_guard": guard}
-    if kind == "OnebitAdam":
-        return commopt.OnebitAdam(params, lr=LR, freeze_step=FREEZE, backend=SINGLE, **kw)
-    return commopt.ZeroOneAdam(
-        params, lr=LR, var_freeze_step=FREEZE, var_update_scaler=1, backend=SINGLE, **kw
-    )
+    info, kw = BY_NAME[kind], {} if guard is DEFAULT else {"step_guard": guard}
+    return info.make(params, freeze=FREEZE, lr=LR, backend=SINGLE, **info.dense_variance, **kw)
 
 
 def _run(guard, steps: int = STEPS, kind: str = "OnebitAdam"):
@@ -94,7 +91,7 @@ def test_only_tiny_elements_change_and_every_other_bit_is_the_papers():
     assert tiny[0][4] == every[0][4]  # where it acts, it is the same clamp as True
 
 
-@pytest.mark.parametrize("kind", ["OnebitAdam", "ZeroOneAdam"])
+@pytest.mark.parametrize("kind", list(BY_NAME))
 def test_default_is_tiny_and_resume_is_bit_exact(kind):
     whole, opt = _run(DEFAULT, kind=kind)
     assert opt.config.step_guard == "tiny"
