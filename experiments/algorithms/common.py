@@ -19,12 +19,25 @@ import torch
 
 import commopt
 from commopt.comm import TorchBackend
-from experiments.common import Setup, describe_machine, launch, sum_over_ranks
+from experiments.common import Setup, describe_machine, launch, replicas_identical, train_on_task
 from experiments.convergence.tasks import load_task
 
 __all__ = ["Maker", "plot_curves", "run_variants", "write_table"]
 
 Maker = Callable[[list[torch.nn.Parameter], Any], torch.optim.Optimizer]
+
+
+def _train_variant(task: Any, setup: Setup, steps: int, eval_every: int) -> list[dict[str, Any]]:
+    """One variant through :func:`train_on_task`: a row per evaluation step."""
+    rows: list[dict[str, Any]] = []
+
+    def record(step: int, val: tuple[float, float] | None, train_time: float) -> None:
+        del train_time
+        if val is not None:
+            rows.append(dict(step=step, val_loss=val[0], metric=val[1], bytes=setup.bytes_sent))
+
+    train_on_task(task, setup, steps, eval_every, record)
+    return rows
 
 
 def _train(
@@ -45,21 +58,10 @@ def _train(
         opt = make(list(model.parameters()), backend)
         plain = not isinstance(opt, commopt.optim.base.CompressedOptimizer)
         setup = Setup(label, model, opt, backend, None, average_gradients=plain)
-        rows = []
         t0 = time.perf_counter()
-        for step in range(1, steps + 1):
-            loss = task.loss(setup.model, task.batch(step))
-            setup.step(loss)
-            if step % eval_every == 0 or step == steps:
-                val_loss, metric = task.evaluate(setup.model)
-                rows.append(
-                    dict(step=step, val_loss=val_loss, metric=metric, bytes=setup.bytes_sent)
-                )
+        rows = _train_variant(task, setup, steps, eval_every)
         seconds = time.perf_counter() - t0
-        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-        ref = flat.clone()
-        torch.distributed.broadcast(ref, src=0)
-        identical = sum_over_ranks([float(not torch.equal(ref, flat))])[0] == 0
+        identical = replicas_identical(model)
         info: dict[str, Any] = {"rows": rows, "seconds": seconds, "identical": identical}
         if hasattr(opt, "frozen_after"):
             frozen = opt.frozen_after()

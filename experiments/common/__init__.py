@@ -9,7 +9,9 @@ from experiments.common.training import (
     launch,
     make_setup,
     rank_and_size,
+    replicas_identical,
     sum_over_ranks,
+    train_on_task,
 )
 
 __all__ = [
@@ -21,5 +23,7 @@ __all__ = [
     "launch",
     "make_setup",
     "rank_and_size",
+    "replicas_identical",
     "sum_over_ranks",
+    "train_on_task",
 ]

@@ -67,7 +67,9 @@ __all__ = [
     "launch",
     "make_setup",
     "rank_and_size",
+    "replicas_identical",
     "sum_over_ranks",
+    "train_on_task",
 ]
 
 ALL_VARIANTS = (
@@ -93,6 +95,7 @@ ALL_VARIANTS = (
 
 # The real all_reduce, captured before any counter is installed: metrics use it directly.
 _ALL_REDUCE = dist.all_reduce
+_BROADCAST = dist.broadcast
 
 
 # -- ranks ---------------------------------------------------------------------------------------
@@ -441,3 +444,46 @@ def make_setup(label: str, model: nn.Module, hp: Hyper) -> Setup:
     else:  # OnebitLamb, OnebitLamb-overlap
         opt = commopt.OnebitLamb(params, lr=hp.lamb_lr, freeze_step=hp.warmup, **commopt_kw)
     return Setup(label, model, opt, backend, None, average_gradients=False)
+
+
+# -- the training loop every task experiment runs -------------------------------------------------
+#: ``record(step, evaluation, train_seconds)``: called after every step (and before the first
+#: with step 0 when asked); ``evaluation`` is the task's (val_loss, metric) on evaluation steps,
+#: else None; ``train_seconds`` the time in forward, backward and step so far.
+Record = Callable[[int, "tuple[float, float] | None", float], None]
+
+
+def train_on_task(
+    task: Any,
+    setup: Setup,
+    steps: int,
+    eval_every: int,
+    record: Record,
+    evaluate_first: bool = False,
+) -> list[float]:
+    """Train ``setup`` on the task's batches 1 … ``steps`` (every rank the same order; the task
+    shards them), evaluating every ``eval_every`` steps and at the last; returns this rank's
+    training loss per step."""
+    train_time, losses = 0.0, []
+    if evaluate_first:
+        record(0, task.evaluate(setup.model), train_time)
+    for step in range(1, steps + 1):
+        batch = task.batch(step)
+        t0 = time.perf_counter()
+        loss = task.loss(setup.model, batch)
+        setup.step(loss)
+        train_time += time.perf_counter() - t0
+        losses.append(float(loss.detach()))
+        evaluate = step % eval_every == 0 or step == steps
+        record(step, task.evaluate(setup.model) if evaluate else None, train_time)
+    return losses
+
+
+def replicas_identical(model: nn.Module) -> bool:
+    """Every rank holds rank 0's parameters bit for bit (agreed on every rank)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return True
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    ref = flat.clone()
+    _BROADCAST(ref, src=0)
+    return sum_over_ranks([float(not torch.equal(ref, flat))])[0] == 0

@@ -29,10 +29,18 @@ import sys
 import time
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
-from experiments.common import Hyper, Setup, describe_machine, launch, make_setup, sum_over_ranks
+from experiments.common import (
+    Hyper,
+    Setup,
+    describe_machine,
+    launch,
+    make_setup,
+    replicas_identical,
+    sum_over_ranks,
+    train_on_task,
+)
 from experiments.convergence.tasks import TASKS, load_task
 
 __all__ = ["CONVERGENCE_VARIANTS", "DEFAULTS", "main", "train_variants"]
@@ -66,15 +74,6 @@ _FIELDS = [
 ]
 
 
-def _replicas_identical(model: torch.nn.Module) -> bool:
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return True
-    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    ref = flat.clone()
-    dist.broadcast(ref, src=0)
-    return sum_over_ranks([float(not torch.equal(ref, flat))])[0] == 0
-
-
 def _row(
     setup: Setup, step: int, hp: Hyper, val: tuple[float, float] | None, train_time: float
 ) -> dict[str, Any]:
@@ -89,6 +88,24 @@ def _row(
         comm_steps=setup.comm_steps,
         train_time_s=train_time,
     )
+
+
+def _train_variant(
+    task: Any, setup: Setup, hp: Hyper, eval_every: int, bar: Any
+) -> tuple[list[dict[str, Any]], list[float]]:
+    """One variant through :func:`train_on_task`: a row per step (and the initial one), and
+    this rank's training losses."""
+    rows: list[dict[str, Any]] = []
+
+    def record(step: int, val: tuple[float, float] | None, train_time: float) -> None:
+        rows.append(_row(setup, step, hp, val, train_time))
+        if bar is not None and step:
+            bar.update(1)
+            if val is not None:
+                bar.set_postfix(val_loss=f"{rows[-1]['val_loss']:.3f}", stage=rows[-1]["stage"])
+
+    losses = train_on_task(task, setup, hp.steps, eval_every, record, evaluate_first=True)
+    return rows, losses
 
 
 def train_variants(
@@ -106,36 +123,19 @@ def train_variants(
     out: dict[str, Any] = {"describe": task.describe(), "world_size": n, "runs": {}}
     for label in variants:
         setup = make_setup(label, task.build_model(), hp)
-        rows: list[dict[str, Any]] = []
-        losses: list[float] = []
-        train_time = 0.0
         bar = None
         if progress and rank == 0:
             from tqdm import tqdm
 
             bar = tqdm(total=hp.steps, desc=f"{task_name} {label:<12}", unit="step", leave=True)
 
-        rows.append(_row(setup, 0, hp, task.evaluate(setup.model), train_time))
-        for step in range(1, hp.steps + 1):
-            batch = task.batch(step)
-            t0 = time.perf_counter()
-            loss = task.loss(setup.model, batch)
-            setup.step(loss)
-            train_time += time.perf_counter() - t0
-            losses.append(float(loss.detach()))
-            evaluate = step % eval_every == 0 or step == hp.steps
-            val = task.evaluate(setup.model) if evaluate else None
-            rows.append(_row(setup, step, hp, val, train_time))
-            if bar is not None:
-                bar.update(1)
-                if evaluate:
-                    bar.set_postfix(val_loss=f"{rows[-1]['val_loss']:.3f}", stage=rows[-1]["stage"])
+        rows, losses = _train_variant(task, setup, hp, eval_every, bar)
         if bar is not None:
             bar.close()
         mean_losses = [x / n for x in sum_over_ranks(losses)]
         for row, value in zip(rows[1:], mean_losses, strict=True):
             row["train_loss"] = value
-        identical = _replicas_identical(setup.model)
+        identical = replicas_identical(setup.model)
         setup.close()
         out["runs"][label] = {"rows": rows, "identical": identical}
     return out
