@@ -69,6 +69,7 @@ class _Timers:
 
 @contextlib.contextmanager
 def _instrumented() -> Iterator[_Timers]:
+    import commopt.optim._adam as adam
     import commopt.optim._agreement as agreement
     import commopt.optim._communication as communication
     import commopt.optim.onebit_adam as onebit_adam
@@ -89,8 +90,8 @@ def _instrumented() -> Iterator[_Timers]:
     timers.wrap(onebit_adam.OnebitAdam, "_mask", "mask")
     timers.wrap(onebit_adam.OnebitAdam, "_apply_update", "update (total)")
     timers.wrap(FlatState, "denominator", "  denominator")
-    timers.wrap(onebit_adam, "guarded_denominator", "  step guard")
-    timers.wrap(onebit_adam, "adam_update_", "  addcdiv")
+    timers.wrap(onebit_adam, "guarded_adam_update_", "  step guard + addcdiv")
+    timers.wrap(adam, "guarded_elements", "    step guard: its elements")
     try:
         yield timers
     finally:
