@@ -263,6 +263,9 @@ class Hyper:
     local_step_clipper: int = 16
     bucket_numel: int | None = None
     """bucket_numel of the commopt variants (None: each optimizer's default)"""
+    rules: str = "default"
+    """"papers": the papers' rules where a default goes beyond them (ZeroOneAdam
+    ``bias_correction=False``, OnebitLamb ``trust_ratio="frozen"``)"""
 
 
 class Setup:
@@ -430,6 +433,7 @@ def make_setup(label: str, model: nn.Module, hp: Hyper) -> Setup:
             # syncB: the local interval never doubles, so every phase-B step syncs
             local_step_scaler=2**30 if base == "ZeroOneAdam-syncB" else hp.local_step_scaler,
             local_step_clipper=hp.local_step_clipper,
+            **({"bias_correction": False} if hp.rules == "papers" else {}),
             **commopt_kw,
         )
     elif label == "LAMB":
@@ -442,6 +446,8 @@ def make_setup(label: str, model: nn.Module, hp: Hyper) -> Setup:
             backend=backend,
         )
     else:  # OnebitLamb, OnebitLamb-overlap
+        if hp.rules == "papers":
+            commopt_kw["trust_ratio"] = "frozen"
         opt = commopt.OnebitLamb(params, lr=hp.lamb_lr, freeze_step=hp.warmup, **commopt_kw)
     return Setup(label, model, opt, backend, None, average_gradients=False)
 

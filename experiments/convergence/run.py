@@ -43,7 +43,7 @@ from experiments.common import (
 )
 from experiments.convergence.tasks import TASKS, load_task
 
-__all__ = ["CONVERGENCE_VARIANTS", "DEFAULTS", "main", "train_variants"]
+__all__ = ["CONVERGENCE_VARIANTS", "DEFAULTS", "main", "task_hyper", "train_variants"]
 
 CONVERGENCE_VARIANTS = (
     "Adam",
@@ -72,6 +72,18 @@ _FIELDS = [
     "comm_steps",
     "train_time_s",
 ]
+
+
+def task_hyper(task: str, **overrides: Any) -> Hyper:
+    """The suite's hyper-parameters for ``task`` (:data:`DEFAULTS`, β2 = 0.99, ZeroOneAdam's
+    local interval doubling every steps // 4 steps), with ``overrides`` (``None``: the default)."""
+    d = DEFAULTS[task]
+    kw: dict[str, Any] = dict(
+        lr=d["lr"], lamb_lr=d["lamb_lr"], warmup=d["warmup"], steps=d["steps"], betas=(0.9, 0.99)
+    )
+    kw.update({k: v for k, v in overrides.items() if v is not None})
+    kw.setdefault("local_step_scaler", max(1, kw["steps"] // 4))
+    return Hyper(**kw)
 
 
 def _row(
@@ -185,7 +197,13 @@ def _summary(result: dict[str, Any], hp: Hyper, metric_name: str, machine: str) 
         f"{result['world_size']} ranks, {hp.steps} steps, warmup/freeze step {hp.warmup}, "
         f"lr {hp.lr} (Adam family), {hp.lamb_lr} (LAMB family), betas {hp.betas}, PowerSGD rank "
         f"{hp.powersgd_rank}; ZeroOneAdam var_update_scaler {hp.var_update_scaler}, "
-        f"local_step_scaler {hp.local_step_scaler}, local_step_clipper {hp.local_step_clipper}.",
+        f"local_step_scaler {hp.local_step_scaler}, local_step_clipper {hp.local_step_clipper}"
+        + (
+            "; the papers' rules (ZeroOneAdam without bias correction, OnebitLamb frozen trust "
+            "ratios)."
+            if hp.rules == "papers"
+            else "."
+        ),
         f"Machine: {machine}.",
         "",
         f"| variant | final val loss | final {metric_name} | best {metric_name} "
@@ -259,6 +277,13 @@ def main(argv: list[str] | None = None) -> int:
         "(default: steps // 4, so the interval reaches 8 in a short run)",
     )
     parser.add_argument("--local-step-clipper", type=int, default=16)
+    parser.add_argument(
+        "--rules",
+        choices=("default", "papers"),
+        default="default",
+        help="papers: ZeroOneAdam bias_correction=False, OnebitLamb trust_ratio='frozen' "
+        "(the papers' rules where commopt's defaults go beyond them)",
+    )
     parser.add_argument("--var-update-scaler", type=int, default=16)
     parser.add_argument(
         "--task-arg",
@@ -285,18 +310,18 @@ def main(argv: list[str] | None = None) -> int:
         overrides[name] = type(_task_default(args.task, name))(value)
 
     for task in ["lm", "digits"] if args.task == "all" else [args.task]:
-        d = DEFAULTS[task]
-        steps = args.steps or d["steps"]
-        hp = Hyper(
-            lr=args.lr or d["lr"],
-            lamb_lr=args.lamb_lr or d["lamb_lr"],
-            warmup=args.warmup or d["warmup"],
-            steps=steps,
+        hp = task_hyper(
+            task,
+            lr=args.lr,
+            lamb_lr=args.lamb_lr,
+            warmup=args.warmup,
+            steps=args.steps,
             betas=(0.9, args.beta2),
             powersgd_rank=args.powersgd_rank,
             var_update_scaler=args.var_update_scaler,
-            local_step_scaler=args.local_step_scaler or max(1, steps // 4),
+            local_step_scaler=args.local_step_scaler,
             local_step_clipper=args.local_step_clipper,
+            rules=args.rules,
         )
         fields = {f.name for f in dataclasses.fields(TASKS[task])}
         mine = {k: v for k, v in overrides.items() if k in fields}
@@ -308,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
             mine,
             hp,
             variants,
-            args.eval_every or d["eval_every"],
+            args.eval_every or DEFAULTS[task]["eval_every"],
             not args.no_progress,
             timeout=args.timeout,
         )

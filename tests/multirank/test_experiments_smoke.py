@@ -18,6 +18,7 @@ pytest.importorskip("sklearn", reason="the experiments extra (scikit-learn) is n
 pytest.importorskip("tqdm", reason="the experiments extra (tqdm) is not installed")
 
 from experiments.convergence import run as convergence
+from experiments.convergence import seeds as convergence_seeds
 from experiments.convergence.tasks import load_task
 from experiments.optim import bench_step
 from experiments.tcp import bench as tcp
@@ -103,6 +104,31 @@ def test_convergence_smoke(tmp_path: pathlib.Path, task: str, task_args: list[st
     for label in BY_NAME:
         late = runs[label][-1] - runs[label][WARMUP + 1]
         assert late < (STEPS - WARMUP - 1) * fp16[0] / 4, label
+
+
+def test_seed_table_arithmetic() -> None:
+    rows = convergence_seeds.seed_table({"Adam": [1.0, 2.0], "X": [2.0, 4.0]}, [0, 1])
+    assert rows[2] == "| Adam | 1.0000 | 2.0000 | 1.5000 | – |"
+    # paired differences 1 and 2: mean 1.5, standard error sd/√2 = 0.7071/1.4142 = 0.5
+    assert rows[3] == "| X | 2.0000 | 4.0000 | 3.0000 | +1.5000 ± 0.5000 |"
+
+
+@pytest.mark.timeout(240)
+def test_convergence_seeds_smoke(tmp_path: pathlib.Path) -> None:
+    argv = ["--task", "digits", "--seeds", "0,1", "--steps", str(STEPS), "--world-size", str(N)]
+    argv += ["--optimizers", "Adam,ZeroOneAdam", "--out", str(tmp_path), "--timeout", "200"]
+    assert convergence_seeds.main(argv) == 0
+    table = (tmp_path / "digits" / "seeds.md").read_text()
+    rows = {
+        line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+        for line in table.splitlines()
+        if line.startswith("| ") and not line.startswith("| variant")
+    }
+    assert list(rows) == ["Adam", "ZeroOneAdam", "ZeroOneAdam (papers' rules)"]
+    assert rows["Adam"][0] != rows["Adam"][1]  # the seed draws another run
+    # Phase A with the bias correction is Adam's step; without it (the papers' rule) it is not.
+    assert rows["ZeroOneAdam"][:2] == rows["Adam"][:2]
+    assert rows["ZeroOneAdam (papers' rules)"][:2] != rows["Adam"][:2]
 
 
 @pytest.mark.timeout(240)
