@@ -1,4 +1,4 @@
-"""1-bit Adam with topology="hierarchical" on 4 forked gloo ranks faking nodes through the env.
+"""The optimizers with topology="hierarchical" on 4 forked gloo ranks faking nodes through the env.
 
 Replicas stay bit-identical; with one rank per node the hierarchical topology is exactly flat.
 """
@@ -7,73 +7,79 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 
-from commopt import OnebitAdam
 from tests.multirank.harness import run_ranks
+from tests.optim_registry import BY_NAME, OPTIMIZERS
 
 TIMEOUT = 120.0
 STEPS = 5
+#: the optimizer of the checkpoint and local-level tests, which test the exchange's state and
+#: backends (the same object under every optimizer); the replica tests run every optimizer
+VEHICLE = BY_NAME["OnebitAdam"]
 
 
-def _train(backend, local_size: int, topology: str):
+def _fake_nodes(backend, local_size: int) -> None:
     os.environ.update(
         LOCAL_RANK=str(backend.rank % local_size),
         LOCAL_WORLD_SIZE=str(local_size),
         GROUP_RANK=str(backend.rank // local_size),
     )
+
+
+def _train(backend, name: str, local_size: int, topology: str):
+    """Every phase of ``name``'s test schedule on random per-rank gradients; returns what the
+    replicas share at the end and the exchange's name."""
+    info = BY_NAME[name]
+    _fake_nodes(backend, local_size)
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(37, 11)), torch.nn.Parameter(torch.randn(101))]
-    opt = OnebitAdam(params, lr=1e-2, freeze_step=2, topology=topology)
+    opt = info.make(params, mode="hierarchical" if topology == "hierarchical" else "standalone")
     gen = torch.Generator().manual_seed(backend.rank)
-    for _ in range(STEPS):
+    for _ in range(info.steps):
         for p in params:
             p.grad = torch.randn(p.shape, generator=gen)
         opt.step()
-    return [p.detach().clone() for p in params], opt.exchange.name
+    return info.shared(opt, params), opt.exchange.name
 
 
-def test_hierarchical_replicas_identical() -> None:
-    results = run_ranks(_train, 4, 2, "hierarchical", timeout=TIMEOUT)
+@pytest.mark.parametrize("info", OPTIMIZERS, ids=repr)
+def test_hierarchical_replicas_identical(info) -> None:
+    results = run_ranks(_train, 4, info.name, 2, "hierarchical", timeout=TIMEOUT)
     assert [name for _, name in results] == [
         f"hierarchical:2x2:{i}.{j}" for i in (0, 1) for j in (0, 1)
     ]
-    for params, _ in results:
-        for a, b in zip(params, results[0][0], strict=True):
-            assert torch.equal(a, b)
-    flat = run_ranks(_train, 4, 2, "flat", timeout=TIMEOUT)
+    for shared, _ in results:
+        assert torch.equal(shared, results[0][0])
+    flat = run_ranks(_train, 4, info.name, 2, "flat", timeout=TIMEOUT)
     # Different averages (the hierarchical one is exact inside a node), same replicas property.
-    assert not torch.equal(flat[0][0][0], results[0][0][0])
+    assert not torch.equal(flat[0][0], results[0][0])
 
 
-def test_one_rank_per_node_is_flat() -> None:
-    hier = run_ranks(_train, 4, 1, "hierarchical", timeout=TIMEOUT)
-    flat = run_ranks(_train, 4, 1, "flat", timeout=TIMEOUT)
+@pytest.mark.parametrize("info", OPTIMIZERS, ids=repr)
+def test_one_rank_per_node_is_flat(info) -> None:
+    hier = run_ranks(_train, 4, info.name, 1, "hierarchical", timeout=TIMEOUT)
+    flat = run_ranks(_train, 4, info.name, 1, "flat", timeout=TIMEOUT)
     assert {name for _, name in hier} == {"flat"}
     for (h, _), (f, _) in zip(hier, flat, strict=True):
-        for a, b in zip(h, f, strict=True):
-            assert torch.equal(a, b)
+        assert torch.equal(h, f)
 
 
 def _resume(backend, topology_after: str):
-    os.environ.update(
-        LOCAL_RANK=str(backend.rank % 2), LOCAL_WORLD_SIZE="2", GROUP_RANK=str(backend.rank // 2)
-    )
+    _fake_nodes(backend, 2)
     import warnings
 
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(37, 11))]
-    opt = OnebitAdam(params, lr=1e-2, freeze_step=2, topology="hierarchical")
+    opt = VEHICLE.make(params, mode="hierarchical", freeze=2)
     gen = torch.Generator().manual_seed(backend.rank)
     for _ in range(STEPS):
         params[0].grad = torch.randn(params[0].shape, generator=gen)
         opt.step()
     sd = opt.state_dict()
-    again = OnebitAdam(
-        [torch.nn.Parameter(params[0].detach().clone())],
-        lr=1e-2,
-        freeze_step=2,
-        topology=topology_after,
+    again = VEHICLE.make(
+        [torch.nn.Parameter(params[0].detach().clone())], freeze=2, topology=topology_after
     )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -105,9 +111,7 @@ def test_checkpoint_records_the_topology_and_a_change_resets_the_errors() -> Non
 def _train_levels(backend, setting: str | None, resume_setting: str | None):
     """Train with COMMOPT_SHARED_MEMORY=setting, checkpoint after 3 steps, resume under
     resume_setting and take the remaining steps; also report what topology='auto' builds."""
-    os.environ.update(
-        LOCAL_RANK=str(backend.rank % 2), LOCAL_WORLD_SIZE="2", GROUP_RANK=str(backend.rank // 2)
-    )
+    _fake_nodes(backend, 2)
     import warnings
 
     from commopt.comm.shm_backend import SharedMemoryBackend
@@ -121,8 +125,8 @@ def _train_levels(backend, setting: str | None, resume_setting: str | None):
     set_env(setting)
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(37, 11)), torch.nn.Parameter(torch.randn(101))]
-    opt = OnebitAdam(params, lr=1e-2, freeze_step=2, topology="hierarchical")
-    auto = OnebitAdam([torch.nn.Parameter(torch.zeros(3))], topology="auto")
+    opt = VEHICLE.make(params, mode="hierarchical", freeze=2)
+    auto = VEHICLE.make([torch.nn.Parameter(torch.zeros(3))], topology="auto")
     auto_kind = type(auto.exchange).__name__
     gen = torch.Generator().manual_seed(backend.rank)
     grads = [[torch.randn(p.shape, generator=gen) for p in params] for _ in range(STEPS)]
@@ -133,11 +137,8 @@ def _train_levels(backend, setting: str | None, resume_setting: str | None):
     first_level = type(opt.exchange.local_backend).__name__
     sd = opt.state_dict()
     set_env(resume_setting)
-    again = OnebitAdam(
-        [torch.nn.Parameter(p.detach().clone()) for p in params],
-        lr=1e-2,
-        freeze_step=2,
-        topology="hierarchical",
+    again = VEHICLE.make(
+        [torch.nn.Parameter(p.detach().clone()) for p in params], mode="hierarchical", freeze=2
     )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -11,6 +11,15 @@ import torch
 
 import commopt
 from commopt.checkpoint import MANIFEST_NAME, SHARED_NAME, CheckpointError, shard_name
+from tests.optim_registry import BY_NAME, OPTIMIZERS, state_dict_diff
+
+#: the optimizer of the tests of the checkpoint files themselves (layout, atomic replacement,
+#: refusals), which do not depend on the algorithm; the resume tests run every optimizer
+VEHICLE = BY_NAME["OnebitAdam"]
+
+
+def _opt(model: torch.nn.Module, **overrides) -> torch.optim.Optimizer:
+    return VEHICLE.make(model.parameters(), **overrides)
 
 
 def _model(seed: int = 0) -> torch.nn.Module:
@@ -35,29 +44,33 @@ def _params(model: torch.nn.Module) -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
 
 
-@pytest.mark.parametrize("stop", [2, 5], ids=["warmup", "compression"])
-def test_resume_is_bit_exact(tmp_path, stop):
-    # freeze_step=3: stop=2 saves in warmup, stop=5 after the variance froze.
+RESUMES = [(info, stop) for info in OPTIMIZERS for stop in info.resume_points()]
+
+
+@pytest.mark.parametrize(("info", "stop"), RESUMES, ids=[f"{i}-{s}" for i, s in RESUMES])
+def test_resume_is_bit_exact(tmp_path, info, stop):
+    # Saved just before and just after each phase starts (OptimizerInfo.resume_points).
     model = _model()
-    opt = commopt.OnebitAdam(model.parameters(), lr=1e-2, freeze_step=3)
+    opt = info.make(model.parameters())
     _train(model, opt, range(stop))
     commopt.save_checkpoint(tmp_path / "ck", model, opt, step=stop, note="hello")
-    _train(model, opt, range(stop, 9))
+    _train(model, opt, range(stop, info.steps))
     expected = _params(model)
 
     fresh = _model(seed=1)  # different initial values: everything must come from the checkpoint
-    opt2 = commopt.OnebitAdam(fresh.parameters(), lr=1e-2, freeze_step=3)
+    opt2 = info.make(fresh.parameters())
     extra = commopt.load_checkpoint(tmp_path / "ck", fresh, opt2)
     assert extra == {"step": stop, "note": "hello"}
     assert opt2.global_state["step"] == stop
-    _train(fresh, opt2, range(extra["step"], 9))
+    _train(fresh, opt2, range(extra["step"], info.steps))
     for a, b in zip(expected, _params(fresh), strict=True):
         assert torch.equal(a, b)
+    assert state_dict_diff(opt.state_dict(), opt2.state_dict()) == []
 
 
 def test_layout(tmp_path):
     model = _model()
-    opt = commopt.OnebitAdam(model.parameters(), freeze_step=2)
+    opt = _opt(model, freeze_step=2)
     _train(model, opt, range(3))
     commopt.save_checkpoint(tmp_path / "ck", model, opt)
     names = sorted(os.listdir(tmp_path / "ck"))
@@ -75,12 +88,12 @@ def test_layout(tmp_path):
 
 def test_overwrite_replaces_the_old_checkpoint(tmp_path):
     model = _model()
-    opt = commopt.OnebitAdam(model.parameters(), freeze_step=2)
+    opt = _opt(model, freeze_step=2)
     _train(model, opt, range(2))
     commopt.save_checkpoint(tmp_path / "ck", model, opt, step=2)
     _train(model, opt, range(2, 4))
     commopt.save_checkpoint(tmp_path / "ck", model, opt, step=4)
-    opt2 = commopt.OnebitAdam(_model().parameters(), freeze_step=2)
+    opt2 = _opt(_model(), freeze_step=2)
     assert commopt.load_checkpoint(tmp_path / "ck", None, opt2) == {"step": 4}
     assert sorted(os.listdir(tmp_path)) == ["ck"]
 
@@ -89,7 +102,7 @@ def test_crash_mid_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     import commopt.checkpoint as ck
 
     model = _model()
-    opt = commopt.OnebitAdam(model.parameters(), freeze_step=2)
+    opt = _opt(model, freeze_step=2)
     _train(model, opt, range(3))
     commopt.save_checkpoint(tmp_path / "ck", model, opt, step=3)
     saved = _params(model)
@@ -115,7 +128,7 @@ def test_crash_mid_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     with pytest.raises(CheckpointError, match=r"has no MANIFEST\.json"):
         commopt.load_checkpoint(tmp_path / "ck.tmp", None, opt)
     fresh = _model(seed=3)
-    opt2 = commopt.OnebitAdam(fresh.parameters(), freeze_step=2)
+    opt2 = _opt(fresh, freeze_step=2)
     assert commopt.load_checkpoint(tmp_path / "ck", fresh, opt2) == {"step": 3}
     for a, b in zip(saved, _params(fresh), strict=True):
         assert torch.equal(a, b)
@@ -124,7 +137,7 @@ def test_crash_mid_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
 @pytest.fixture
 def saved(tmp_path):
     model = _model()
-    opt = commopt.OnebitAdam(model.parameters(), freeze_step=2)
+    opt = _opt(model, freeze_step=2)
     _train(model, opt, range(3))
     commopt.save_checkpoint(tmp_path / "ck", model, opt)
     return tmp_path / "ck"
@@ -158,7 +171,7 @@ def test_refuses_truncated_shard(saved):
     data = shard.read_bytes()
     shard.write_bytes(data[: len(data) // 2])
     model = _model()
-    opt = commopt.OnebitAdam(model.parameters(), freeze_step=2)
+    opt = _opt(model, freeze_step=2)
     _unchanged_after_refusal(
         saved,
         model,
@@ -174,19 +187,19 @@ def test_refuses_corrupt_shared_file(saved):
     data[len(data) // 2] ^= 0xFF
     shared.write_bytes(bytes(data))
     model = _model()
-    opt = commopt.OnebitAdam(model.parameters(), freeze_step=2)
+    opt = _opt(model, freeze_step=2)
     _unchanged_after_refusal(saved, model, opt, r"shared\.pt .* is corrupt: its SHA-256")
 
 
 def test_refuses_missing_manifest(saved):
     os.remove(saved / MANIFEST_NAME)
     model = _model()
-    opt = commopt.OnebitAdam(model.parameters(), freeze_step=2)
+    opt = _opt(model, freeze_step=2)
     _unchanged_after_refusal(saved, model, opt, r"has no MANIFEST\.json: it is not a complete")
 
 
 def test_refuses_missing_directory(tmp_path):
-    opt = commopt.OnebitAdam(_model().parameters())
+    opt = _opt(_model())
     with pytest.raises(CheckpointError, match="no checkpoint directory at"):
         commopt.load_checkpoint(tmp_path / "nothing", None, opt)
 
@@ -194,7 +207,7 @@ def test_refuses_missing_directory(tmp_path):
 def test_refuses_mismatched_parameter_shapes(saved):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Tanh(), torch.nn.Linear(4, 3))
-    opt = commopt.OnebitAdam(model.parameters(), freeze_step=2)
+    opt = _opt(model, freeze_step=2)
     _unchanged_after_refusal(
         saved,
         model,
@@ -208,7 +221,7 @@ def test_refuses_mismatched_model(saved):
     # Same optimizer parameters, but the model given has an extra buffer.
     model = _model()
     model.register_buffer("extra", torch.zeros(3))
-    opt = commopt.OnebitAdam(model.parameters(), freeze_step=2)
+    opt = _opt(model, freeze_step=2)
     _unchanged_after_refusal(
         saved, model, opt, r"model state keys do not match.*missing \['extra'\]"
     )
@@ -218,7 +231,7 @@ def test_refuses_newer_format(saved):
     manifest = json.loads((saved / MANIFEST_NAME).read_text())
     manifest["format_version"] = 99
     (saved / MANIFEST_NAME).write_text(json.dumps(manifest))
-    opt = commopt.OnebitAdam(_model().parameters(), freeze_step=2)
+    opt = _opt(_model(), freeze_step=2)
     with pytest.raises(CheckpointError, match="format version 99, newer than"):
         commopt.load_checkpoint(saved, None, opt)
 
@@ -238,9 +251,10 @@ def test_plain_torch_optimizer_round_trip(tmp_path):
         assert torch.equal(a, b)
 
 
-def test_bf16_resume_keeps_the_fp32_master_weights(tmp_path):
+@pytest.mark.parametrize("info", OPTIMIZERS, ids=repr)
+def test_bf16_resume_keeps_the_fp32_master_weights(tmp_path, info):
     model = _model().to(torch.bfloat16)
-    opt = commopt.OnebitAdam(model.parameters(), lr=1e-2, freeze_step=3)
+    opt = info.make(model.parameters())
 
     def train(m, o, steps):
         for t in steps:
@@ -249,14 +263,15 @@ def test_bf16_resume_keeps_the_fp32_master_weights(tmp_path):
             torch.nn.functional.mse_loss(m(x.bfloat16()).float(), y).backward()
             o.step()
 
-    train(model, opt, range(4))
+    stop = info.phases()[-1].first  # inside the last phase
+    train(model, opt, range(stop))
     commopt.save_checkpoint(tmp_path / "ck", model, opt)
-    train(model, opt, range(4, 8))
+    train(model, opt, range(stop, info.steps))
     fresh = _model(seed=2).to(torch.bfloat16)
-    opt2 = commopt.OnebitAdam(fresh.parameters(), lr=1e-2, freeze_step=3)
+    opt2 = info.make(fresh.parameters())
     commopt.load_checkpoint(tmp_path / "ck", fresh, opt2)
     assert all(opt2.state[p]["master"].dtype == torch.float32 for p in fresh.parameters())
-    train(fresh, opt2, range(4, 8))
+    train(fresh, opt2, range(stop, info.steps))
     for p, q in zip(model.parameters(), fresh.parameters(), strict=True):
         assert torch.equal(p, q)
         assert torch.equal(opt.state[p]["master"], opt2.state[q]["master"])
@@ -276,7 +291,7 @@ def test_bf16_resume_keeps_the_fp32_master_weights(tmp_path):
 )
 def test_unloadable_extra_is_refused_and_the_previous_checkpoint_kept(tmp_path, extra, where, kind):
     model = _model()
-    opt = commopt.OnebitAdam(model.parameters(), lr=1e-2, freeze_step=3)
+    opt = _opt(model)
     _train(model, opt, range(2))
     commopt.save_checkpoint(tmp_path / "ck", model, opt, step=2)
     before = {f: (tmp_path / "ck" / f).read_bytes() for f in os.listdir(tmp_path / "ck")}
@@ -288,7 +303,7 @@ def test_unloadable_extra_is_refused_and_the_previous_checkpoint_kept(tmp_path, 
     after = {f: (tmp_path / "ck" / f).read_bytes() for f in os.listdir(tmp_path / "ck")}
     assert after == before  # the good checkpoint was not touched
     fresh = _model(seed=1)
-    opt2 = commopt.OnebitAdam(fresh.parameters(), lr=1e-2, freeze_step=3)
+    opt2 = _opt(fresh)
     assert commopt.load_checkpoint(tmp_path / "ck", fresh, opt2) == {"step": 2}
 
 
@@ -306,11 +321,11 @@ def test_every_value_the_safe_loader_accepts_round_trips(tmp_path):
         "ids": {1, 2},
     }
     model = _model()
-    opt = commopt.OnebitAdam(model.parameters(), lr=1e-2, freeze_step=3)
+    opt = _opt(model)
     _train(model, opt, range(2))
     commopt.save_checkpoint(tmp_path / "ck", model, opt, **extra)
     fresh = _model(seed=3)
-    opt2 = commopt.OnebitAdam(fresh.parameters(), lr=1e-2, freeze_step=3)
+    opt2 = _opt(fresh)
     loaded = commopt.load_checkpoint(tmp_path / "ck", fresh, opt2)
     assert loaded.keys() == extra.keys()
     assert torch.equal(loaded["torch_rng"], extra["torch_rng"])
