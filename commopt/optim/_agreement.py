@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from commopt.comm import Backend
+from commopt.optim._warnings import warn_averaged_already
 
 __all__ = [
     "GradientAgreement",
@@ -242,6 +243,9 @@ class GradientAgreement:
         self.name = name
         self.agreed_count: int | None = None
         self._key: tuple[tuple[int, ...], int] | None = None  # (param ids, model_key)
+        #: communicating steps that still check whether the gradients are already identical
+        #: on every rank (DDP without commopt's hook averaged them); 0 once that was found
+        self.ddp_checks_left = 2
 
     def check_model(
         self,
@@ -264,15 +268,18 @@ class GradientAgreement:
         params: Sequence[torch.Tensor],
         param_groups: Sequence[dict[str, Any]],
         collective: bool,
-        digest: bool = False,
+        may_be_averaged: bool = False,
         redo: bool = False,
     ) -> GradientVerdict:
         """:func:`agree_on_gradients`; a model that changed on some rank is checked again (which
-        raises on every rank alike, or every rank added the same group: agree again).
+        raises on every rank alike, or every rank added the same group: agree again). With
+        ``may_be_averaged`` (no early work), the first communicating steps also compare the
+        gradients' digests, and warn once when they were already averaged.
 
         Raises:
             RuntimeError: some rank has a sparse gradient (on every rank alike).
         """
+        digest = may_be_averaged and collective and self.ddp_checks_left > 0
         describe = functools.partial(describe_param, param_groups)
         ids = tuple(id(p) for p in params)
         if self._key is None or self._key[0] != ids:
@@ -293,4 +300,8 @@ class GradientAgreement:
                 f"{self.name} does not support sparse gradients (found at "
                 f"{verdict.sparse_at}); use dense gradients, e.g. nn.Embedding(sparse=False)"
             )
+        if digest:
+            self.ddp_checks_left = 0 if verdict.identical else self.ddp_checks_left - 1
+            if verdict.identical:
+                warn_averaged_already(self.name, backend.rank)
         return verdict

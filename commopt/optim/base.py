@@ -34,7 +34,6 @@ from commopt.optim._precision import master_weights, unscale_grads_
 from commopt.optim._resume import commopt_entry, keep_state_dtypes, split_commopt_entry
 from commopt.optim._warnings import (
     log_compression_started,
-    warn_averaged_already,
     warn_redone,
     warn_skipped,
 )
@@ -99,7 +98,6 @@ class CompressedOptimizer(ConfigAttributes, torch.optim.Optimizer):
         ref = weakref.ref(self)
         self._hooks = GradientHooks(lambda: ref().early_work)  # type: ignore[union-attr]
         self._step_now = 0  # the step being taken (set by step())
-        self._ddp_checks_left = 2  # steps that still check for DDP's averaged gradients
         self._compression_announced = False  # logged once, on rank 0
         super().__init__(params, defaults)
 
@@ -298,15 +296,12 @@ class CompressedOptimizer(ConfigAttributes, torch.optim.Optimizer):
         self, step: int, params: list[torch.Tensor], states: list[FlatState], loss: float | None
     ) -> float | None:
         collective = self._communicates(step)
-        # The first communicating steps also check whether the gradients are already identical
-        # on every rank: DDP without commopt's hook averaged them (all ranks agree on this).
-        digest = collective and self._early is None and self._ddp_checks_left > 0
         early = self._early  # did what the early work read change? (this rank)
         why = (
             None if early is None else early.mismatch or early.reads.stale(step, self.param_groups)
         )
-        verdict = self._agreement.verdict(
-            self.backend, params, self.param_groups, collective, digest, why is not None
+        verdict = self._agreement.verdict(  # may_be_averaged (by DDP) without early work, redo
+            self.backend, params, self.param_groups, collective, early is None, why is not None
         )
         if self._early is not None and (verdict.redo or (why is not None and not collective)):
             # What the early work read changed after backward (on some rank): redo the step
@@ -315,11 +310,6 @@ class CompressedOptimizer(ConfigAttributes, torch.optim.Optimizer):
                 self._early.decline()  # agreed on every rank: no second redo, no double cost
             self._early.clear()
             warn_redone(type(self).__name__, why, self.backend.rank, self.overlap)
-        if digest:
-            self._ddp_checks_left -= 1
-            if verdict.identical:
-                self._ddp_checks_left = 0
-                warn_averaged_already(type(self).__name__, self.backend.rank)
         if verdict.nonfinite:
             self._skip(step, "non-finite gradient", collective)
             if not collective:  # a local step: the shared schedule still moves on

@@ -27,7 +27,7 @@ def run(backend, check):
     for _ in range(3):
         opt = commopt.OnebitAdam(model.parameters(), lr=1e-6, freeze_step=100, backend=backend)
         if not check:
-            opt._ddp_checks_left = 0
+            opt._agreement.ddp_checks_left = 0
         ts = []
         for _ in range(3):
             opt.zero_grad()
