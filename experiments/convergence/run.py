@@ -1,3 +1,4 @@
+# ruff: noqa: E402  (torch is imported after its CPU kernels are capped, below)
 r"""Convergence suite: every optimizer variant on the same data, same seeds, same order.
 
 One command per task (4 forked gloo ranks on this machine unless launched by torchrun/mpirun)::
@@ -19,6 +20,10 @@ Variants and the byte model: :mod:`experiments.common.training`. The models, dat
 """
 
 from __future__ import annotations
+
+from experiments.cpu_isa import cap_at_avx2
+
+cap_at_avx2()  # before torch loads: the losses reported move with an ulp (see there)
 
 import argparse
 import csv

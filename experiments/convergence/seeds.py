@@ -1,3 +1,4 @@
+# ruff: noqa: E402  (torch is imported after its CPU kernels are capped, below)
 r"""How much of a convergence table is the seed? Every variant over several seeds.
 
     python -m experiments.convergence.seeds --task digits --seeds 0,1,2,3,4
@@ -15,6 +16,10 @@ to Adam's run on the same seed with its standard error:
 """
 
 from __future__ import annotations
+
+from experiments.cpu_isa import cap_at_avx2
+
+cap_at_avx2()  # before torch loads: the losses reported move with an ulp (see there)
 
 import argparse
 import pathlib
