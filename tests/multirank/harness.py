@@ -7,10 +7,12 @@ text; a rank that hangs is killed at ``timeout`` and the test fails saying so.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing as mp
 import os
 import pickle
+import signal
 import socket
 import subprocess
 import sys
@@ -103,15 +105,57 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _descendants(pid: int) -> list[int]:
+    """``pid``'s descendants, parents before children (Linux: /proc/<pid>/task/*/children)."""
+    found: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            children = [int(c) for c in (task / "children").read_text().split()]
+        except OSError:  # the task exited meanwhile
+            continue
+        for child in children:
+            found += [child, *_descendants(child)]
+    return found
+
+
+def _signal_all(pids: Any, sig: int) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+
+
+#: seconds an example may run under torchrun (a run takes 10-60 s; pytest-timeout is 300)
+EXAMPLE_TIMEOUT = 200.0
+
+
 def run_example_under_torchrun(
     example: Path, args: Sequence[str], out: Path, env: dict[str, str] | None = None
 ) -> dict[str, Any]:
     """Run ``example`` on 2 ranks under torchrun with ``--out out`` and return the
-    ``result.json`` it wrote there; a non-zero exit fails with the end of its output."""
+    ``result.json`` it wrote there; a non-zero exit fails with the end of its output. A run
+    still going at :data:`EXAMPLE_TIMEOUT` fails with every process's Python stacks: each of
+    them gets SIGABRT, which faulthandler answers with a dump of all threads (torchrun starts
+    its workers in sessions of their own, so they are found through /proc, not the group)."""
     full_env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMI_", "PMIX_"))}
-    full_env.update(OMP_NUM_THREADS="1", **(env or {}))
+    full_env.update(OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1", **(env or {}))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
     cmd += ["--master_port", str(free_port()), str(example), *args, "--out", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=full_env, timeout=600, cwd=out)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    with subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env, cwd=out
+    ) as proc:
+        try:
+            output, _ = proc.communicate(timeout=EXAMPLE_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            tree = _descendants(proc.pid)
+            _signal_all(reversed(tree), signal.SIGABRT)  # the workers dump before torchrun acts
+            try:
+                output, _ = proc.communicate(timeout=20)
+            except subprocess.TimeoutExpired:
+                _signal_all([proc.pid, *_descendants(proc.pid), *tree], signal.SIGKILL)
+                output, _ = proc.communicate()
+            raise AssertionError(
+                f"{example.name} still ran after {EXAMPLE_TIMEOUT:.0f} s; the stacks of its "
+                f"processes at SIGABRT:\n{output[-12000:]}"
+            ) from None
+    assert proc.returncode == 0, output[-4000:]
     return json.loads((out / "result.json").read_text())

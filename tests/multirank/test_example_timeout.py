@@ -1,0 +1,23 @@
+"""An example that hangs under torchrun fails its test with every rank's Python stacks, instead
+of hanging until pytest-timeout kills the test with nothing to read."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.multirank import harness
+
+
+def test_a_hung_example_fails_with_the_stacks_of_its_ranks(tmp_path, monkeypatch):
+    example = tmp_path / "hangs.py"
+    example.write_text(
+        "import time\n"
+        "def wait_for_the_other_rank():\n"
+        "    time.sleep(600)\n"
+        "wait_for_the_other_rank()\n"
+    )
+    monkeypatch.setattr(harness, "EXAMPLE_TIMEOUT", 8.0)
+    with pytest.raises(AssertionError, match="still ran after 8 s") as caught:
+        harness.run_example_under_torchrun(example, [], tmp_path)
+    # faulthandler's dump from each of the 2 ranks names the function they hang in
+    assert str(caught.value).count("in wait_for_the_other_rank") >= 2, str(caught.value)
