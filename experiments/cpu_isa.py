@@ -7,7 +7,7 @@ AVX-512 machine the convergence suite's digits LAMB ended at validation loss 0.0
 of the code and its settings on any x86-64 CPU with AVX2. Variables already set are kept.
 Imports nothing: use it before anything imports torch. (The demo script,
 experiments/demo/train_bytelm.py, runs without this package on its path and sets the same
-three itself; so does tests/conftest.py.)
+three itself.)
 """
 
 from __future__ import annotations

@@ -12,17 +12,11 @@ would otherwise be paid again in every rank of every test, seconds each on a loa
 
 from __future__ import annotations
 
-import os
+from experiments.cpu_isa import cap_at_avx2
 
-# torch's CPU kernels capped at AVX2 before torch loads them, as experiments/demo/train_bytelm.py
-# does: the demo-table test re-trains 1-bit rows whose figures depend on an ulp, and ATen, MKL
-# and oneDNN round differently with AVX-512 (see there).
-for _name, _value in (
-    ("ATEN_CPU_CAPABILITY", "avx2"),
-    ("MKL_ENABLE_INSTRUCTIONS", "AVX2"),
-    ("ONEDNN_MAX_CPU_ISA", "AVX2"),
-):
-    os.environ.setdefault(_name, _value)
+# torch's CPU kernels capped at AVX2 before torch loads them, as the demo does: the demo-table
+# test re-trains 1-bit rows whose figures depend on an ulp (experiments/cpu_isa.py).
+cap_at_avx2()
 
 import torch
 import torch._dynamo  # imported for its side effect (see the module docstring)

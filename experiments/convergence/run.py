@@ -48,7 +48,14 @@ from experiments.common import (
 )
 from experiments.convergence.tasks import TASKS, load_task
 
-__all__ = ["CONVERGENCE_VARIANTS", "DEFAULTS", "main", "task_hyper", "train_variants"]
+__all__ = [
+    "CONVERGENCE_VARIANTS",
+    "DEFAULTS",
+    "main",
+    "parse_variants",
+    "task_hyper",
+    "train_variants",
+]
 
 CONVERGENCE_VARIANTS = (
     "Adam",
@@ -77,6 +84,15 @@ _FIELDS = [
     "comm_steps",
     "train_time_s",
 ]
+
+
+def parse_variants(parser: argparse.ArgumentParser, value: str) -> list[str]:
+    """The comma-separated ``--optimizers`` value as a list; an unknown name is a usage error."""
+    variants = [v.strip() for v in value.split(",") if v.strip()]
+    unknown = sorted(set(variants) - set(CONVERGENCE_VARIANTS))
+    if unknown:
+        parser.error(f"unknown optimizer(s) {unknown}; choose from {list(CONVERGENCE_VARIANTS)}")
+    return variants
 
 
 def task_hyper(task: str, **overrides: Any) -> Hyper:
@@ -303,10 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("--timeout", type=float, default=7200.0)
     args = parser.parse_args(argv)
-    variants = [v.strip() for v in args.optimizers.split(",") if v.strip()]
-    unknown = sorted(set(variants) - set(CONVERGENCE_VARIANTS))
-    if unknown:
-        parser.error(f"unknown optimizer(s) {unknown}; choose from {list(CONVERGENCE_VARIANTS)}")
+    variants = parse_variants(parser, args.optimizers)
     overrides: dict[str, Any] = {}
     for item in args.task_arg:
         name, _, value = item.partition("=")

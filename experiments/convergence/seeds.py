@@ -28,7 +28,13 @@ import sys
 import time
 
 from experiments.common import describe_machine, launch
-from experiments.convergence.run import CONVERGENCE_VARIANTS, DEFAULTS, task_hyper, train_variants
+from experiments.convergence.run import (
+    CONVERGENCE_VARIANTS,
+    DEFAULTS,
+    parse_variants,
+    task_hyper,
+    train_variants,
+)
 
 __all__ = ["main", "seed_table"]
 
@@ -65,10 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=7200.0)
     args = parser.parse_args(argv)
     seeds = [int(s) for s in args.seeds.split(",")]
-    variants = [v.strip() for v in args.optimizers.split(",") if v.strip()]
-    unknown = sorted(set(variants) - set(CONVERGENCE_VARIANTS))
-    if unknown:
-        parser.error(f"unknown optimizer(s) {unknown}; choose from {list(CONVERGENCE_VARIANTS)}")
+    variants = parse_variants(parser, args.optimizers)
     runs = [("default", variants)]
     papers = [v for v in variants if v in PAPER_RULES]
     if papers:
