@@ -18,7 +18,7 @@ import subprocess
 import sys
 import tempfile
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -118,7 +118,7 @@ def _descendants(pid: int) -> list[int]:
     return found
 
 
-def _signal_all(pids: Any, sig: int) -> None:
+def _signal_all(pids: Iterable[int], sig: int) -> None:
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, sig)
@@ -133,12 +133,15 @@ def run_example_under_torchrun(
 ) -> dict[str, Any]:
     """Run ``example`` on 2 ranks under torchrun with ``--out out`` and return the
     ``result.json`` it wrote there; a non-zero exit fails with the end of its output. A run
-    still going at :data:`EXAMPLE_TIMEOUT` fails with every process's Python stacks: each of
+    still going at :data:`EXAMPLE_TIMEOUT` fails with every rank's Python stacks: each of
     them gets SIGABRT, which faulthandler answers with a dump of all threads (torchrun starts
     its workers in sessions of their own, so they are found through /proc, not the group)."""
     full_env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMI_", "PMIX_"))}
     full_env.update(OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1", **(env or {}))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
+    # each rank's stderr also in a file of its own: two ranks' stack dumps interleave on one pipe
+    logs = out / "torchrun-logs"
+    cmd += ["--log-dir", str(logs), "--redirects", "2", "--tee", "2"]
     cmd += ["--master_port", str(free_port()), str(example), *args, "--out", str(out)]
     with subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env, cwd=out
@@ -153,9 +156,13 @@ def run_example_under_torchrun(
             except subprocess.TimeoutExpired:
                 _signal_all([proc.pid, *_descendants(proc.pid), *tree], signal.SIGKILL)
                 output, _ = proc.communicate()
+            ranks = "".join(
+                f"\n--- {log.relative_to(logs)}:\n{log.read_text(errors='replace')[-6000:]}"
+                for log in sorted(logs.glob("**/stderr.log"))
+            )
             raise AssertionError(
                 f"{example.name} still ran after {EXAMPLE_TIMEOUT:.0f} s; the stacks of its "
-                f"processes at SIGABRT:\n{output[-12000:]}"
+                f"processes at SIGABRT, rank by rank:{ranks}\n--- torchrun:\n{output[-4000:]}"
             ) from None
     assert proc.returncode == 0, output[-4000:]
     return json.loads((out / "result.json").read_text())
