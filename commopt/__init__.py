@@ -11,7 +11,13 @@ from commopt.comm import Backend, MixedBackend, MpiBackend, SingleProcessBackend
 from commopt.compressed import NonFiniteError, compressed_allreduce, padded_size
 from commopt.deepspeed_compat import from_deepspeed_config, to_deepspeed_config
 from commopt.faults import CollectiveError, watch
-from commopt.launch import broadcast_parameters, discover_launch, init, shutdown
+from commopt.launch import (
+    broadcast_parameters,
+    destroy_process_group,
+    discover_launch,
+    init,
+    shutdown,
+)
 from commopt.monitor import log_comm_stats
 from commopt.optim import OnebitAdam, OnebitLamb, ZeroOneAdam
 from commopt.optim.freeze import AutoFreezeSettings
@@ -32,6 +38,7 @@ __all__ = [
     "broadcast_parameters",
     "compressed_allreduce",
     "ddp",
+    "destroy_process_group",
     "discover_launch",
     "from_deepspeed_config",
     "init",

@@ -14,6 +14,7 @@ import datetime
 import logging
 import math
 import socket
+import time
 from collections.abc import Iterable
 from typing import Literal
 
@@ -35,6 +36,7 @@ from commopt.optim._agreement import check_same_model
 __all__ = [
     "LaunchInfo",
     "broadcast_parameters",
+    "destroy_process_group",
     "discover_launch",
     "init",
     "launched_by_mpi",
@@ -245,6 +247,53 @@ def shutdown() -> None:
     """
     close_watchdogs()
     set_default_backend(None)
+
+
+_SETTLE_TIMEOUT = 60.0  # seconds one probe may stay in gloo's hands after it completed
+
+
+def destroy_process_group(group: dist.ProcessGroup | None = None) -> None:
+    """``torch.distributed.destroy_process_group(group)``, once gloo's worker threads have let go
+    of every collective. Collective: call it on every rank, where the run would call torch's.
+
+    Why: a DDP model holds its process group from C++. Freed after the group was destroyed
+    (the usual order: the script's locals die when it returns), it destroys the group, and
+    gloo's destructor joins its worker threads while holding the GIL. A worker can still be
+    letting go of the run's last collective at that moment, and freeing a tensor that Python
+    also saw takes the GIL (torch 2.13), so each waits for the other forever. CI saw it in
+    the Hugging Face example: one rank stuck after writing its result, in
+    ``~Reducer → ~ProcessGroupGloo → join`` against ``~AsyncBarrierWork → decref_pyobject``.
+
+    So it first waits for every collective to complete (a barrier), then sleeps 50 ms with the
+    GIL free, so that a worker that has completed one but not yet taken gloo's work lock to
+    free it can take it, then runs a one-element all-reduce and waits (sleeping) until gloo
+    has freed that too: its tensor's use count is back to 1. Queueing the all-reduce takes the
+    same lock, so any freeing under way has finished by then. On NCCL alone, which has no such
+    workers, this is torch's call.
+
+    Raises:
+        RuntimeError: torch.distributed is not initialized (as torch's call does).
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "commopt.destroy_process_group: torch.distributed is not initialized (nothing to end)"
+        )
+    if "gloo" in str(dist.get_backend(group)):  # also "cpu:gloo,cuda:nccl"
+        dist.barrier(group=group)
+        time.sleep(0.05)
+        probe = torch.zeros(1)
+        dist.all_reduce(probe, group=group)
+        deadline = time.monotonic() + _SETTLE_TIMEOUT
+        while probe._use_count() > 1:  # gloo's worker still holds the all-reduce
+            if time.monotonic() > deadline:
+                logger.warning(
+                    "commopt.destroy_process_group: gloo still held its last collective after "
+                    "%.0f s; destroying the group anyway",
+                    _SETTLE_TIMEOUT,
+                )
+                break
+            time.sleep(0.001)
+    dist.destroy_process_group(group)
 
 
 @torch.no_grad()
