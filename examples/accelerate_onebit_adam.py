@@ -71,12 +71,11 @@ def main() -> None:
                 f,
                 indent=1,
             )
-    # The framework created the process group, so it is ours to end: a group still alive at
-    # interpreter teardown can abort the process ("terminate called without an active
-    # exception") while gloo's threads are destroyed (docs/ddp.md, "Ending the run").
+    # The framework created the process group, so it is ours to end, and through commopt: the
+    # prepared DDP model still holds the group, and torch's call alone can deadlock gloo when
+    # that model is freed (docs/ddp.md, "Ending the run").
     if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+        commopt.destroy_process_group()
 
 
 if __name__ == "__main__":

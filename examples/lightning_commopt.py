@@ -134,9 +134,9 @@ def main() -> None:
         with open(os.path.join(args.out, "result.json"), "w") as f:
             json.dump({"world_size": dist.get_world_size(), "optimizers": results}, f, indent=1)
     # Lightning created the process group and leaves it alive; end it before the interpreter
-    # does (docs/ddp.md, "Ending the run").
-    dist.barrier()
-    dist.destroy_process_group()
+    # does, and through commopt: torch's call alone can deadlock gloo when the DDP model that
+    # still holds the group is freed (docs/ddp.md, "Ending the run").
+    commopt.destroy_process_group()
 
 
 if __name__ == "__main__":
