@@ -109,3 +109,11 @@ def log_compression_started(name: str, step: int, rank: int) -> None:
         logging.getLogger("commopt").info(
             "%s: compression started at step %d (1-bit exchanges from now on)", name, step
         )
+
+
+def warn_sync_diverged() -> None:
+    """0/1 Adam: a sync step found non-finite parameters and every rank went back to p_sync."""
+    warn_at_caller(
+        "ZeroOneAdam: non-finite parameters at a sync step on at least one rank; every "
+        "rank returns to the last synced parameters there (p = p_sync, m = 0)"
+    )

@@ -32,11 +32,7 @@ from commopt.optim._communication import Communication
 from commopt.optim._layout import BucketLayout
 from commopt.optim._precision import master_weights, unscale_grads_
 from commopt.optim._resume import commopt_entry, keep_state_dtypes, split_commopt_entry
-from commopt.optim._warnings import (
-    log_compression_started,
-    warn_redone,
-    warn_skipped,
-)
+from commopt.optim._warnings import log_compression_started, warn_redone, warn_skipped
 from commopt.optim.config import ConfigAttributes
 from commopt.optim.early import CommThread, EarlyPlan, EarlyWork, GradientHooks
 from commopt.optim.flat_state import FlatState

@@ -20,7 +20,7 @@ from commopt.optim._adam import (
 )
 from commopt.optim._checks import check_group_joins_phase_a
 from commopt.optim._resume import upgrade_zero_one_groups
-from commopt.optim._warnings import warn_at_caller
+from commopt.optim._warnings import warn_sync_diverged
 from commopt.optim._zero_one_schedule import ZeroOneSchedule
 from commopt.optim._zero_one_staged import StagedSync, SyncSteps
 from commopt.optim.base import CompressedOptimizer
@@ -310,7 +310,7 @@ class ZeroOneAdam(CompressedOptimizer):
             state.gather_params(p_sync)  # p as stored (bf16 parameters round)
         if diverged:
             self.global_state["skipped_steps"] += 1
-            _warn_diverged()
+            warn_sync_diverged()
 
     def _sync_bucket_(
         self,
@@ -383,7 +383,7 @@ class ZeroOneAdam(CompressedOptimizer):
             local_update=self._adam_update,
             sync_bucket=self._sync_bucket_,
             step_sizes=self._step_sizes,
-            diverged=_warn_diverged,
+            diverged=warn_sync_diverged,
         )
         self._staged_sync = StagedSync(self, self._schedule, steps)
 
@@ -393,10 +393,3 @@ class ZeroOneAdam(CompressedOptimizer):
     def _commit_staged_sync(self, step: int) -> bool:
         """overlap: commit the sync staged during backward (False: run it now)."""
         return self.overlap and self._staged_sync.commit(self.early_work, step)
-
-
-def _warn_diverged() -> None:
-    warn_at_caller(
-        "ZeroOneAdam: non-finite parameters at a sync step on at least one rank; every "
-        "rank returns to the last synced parameters there (p = p_sync, m = 0)"
-    )

@@ -91,10 +91,10 @@ class EarlyWork:
         return kinds
 
     def decline(self) -> None:
-        """From now on leave the work to ``step()``: a step was redone because what its work read
-        changed after backward (clipping, unscaling, a β1 schedule, as a habit), so ``step()``
-        communicates once instead of twice. Called by every rank at the same (agreed) step. Under
-        the DDP hook the warmup's averages stay in backward (they are what ``p.grad`` holds)."""
+        """From now on leave the work to ``step()``, which then communicates once, not twice: what
+        the work read kept changing after backward (clipping, unscaling, a β1 schedule). Every
+        rank calls it at the same (agreed) step. Under the DDP hook the warmup's averages stay in
+        backward (they are what ``p.grad`` holds)."""
         self.declined = True
 
     def _staged_for(self, state: FlatState) -> StagedWork:
@@ -111,12 +111,11 @@ class EarlyWork:
         return self._schedule.thread
 
     def drain(self, agree: bool = False) -> None:
-        """Close the open round and wait until the communication thread has run all of it;
-        raise the error of any job that failed (after cancelling those behind it). Called by
-        ``step()`` before it communicates, so its collectives follow the thread's; there
-        (``agree``) the ranks first agree that they started the same exchanges, else fill in
-        the missing ones and set :attr:`mismatch`: the step is then redone as ``overlap=False``
-        would (:meth:`ExchangeSchedule.agree`)."""
+        """Close the open round, wait until the thread has run all of it, and raise the error of
+        any job that failed (those behind it cancelled). ``step()`` calls it before it
+        communicates, with ``agree``: the ranks first agree that they started the same
+        exchanges, else fill in the missing ones and set :attr:`mismatch`, and the step is redone
+        as ``overlap=False`` would (:meth:`ExchangeSchedule.agree`)."""
         if not self.threaded:
             return
         if agree:
@@ -129,8 +128,8 @@ class EarlyWork:
         self._schedule.drain()
 
     def _fill(self, b: int) -> None:
-        """Queue, for bucket ``b``, the job the other ranks ran (its kind's collectives) on
-        zeroed staged buffers; whatever it computes is dropped with the redone step."""
+        """Queue bucket ``b``'s job that other ranks ran, on zeroed buffers (its result is
+        dropped with the redone step)."""
         state = (self._layout or [])[b]
         st = self._staged_for(state)
         if self._plan.kind(state, st.step) == Kind.AVERAGE:
@@ -144,8 +143,7 @@ class EarlyWork:
         st.ticket = self._schedule.submit(state, functools.partial(self._exchange, state, st))
 
     def settle(self) -> None:
-        """Wait until the thread has run every job it can run now (not those behind a ticket
-        still open) — for reading counters mid-step."""
+        """Wait until the thread has run every job it can run now (for counters mid-step)."""
         if self.threaded:
             self._schedule.settle()
 
@@ -162,7 +160,7 @@ class EarlyWork:
         return self._schedule.exchange_order
 
     def current(self, state: FlatState, step: int) -> StagedWork | None:
-        """The bucket's staged work for step ``step``, if any."""
+        """The bucket's staged work for ``step``, if any."""
         st = self._staged.get(id(state))
         return st if st is not None and st.step == step else None
 
@@ -214,10 +212,9 @@ class EarlyWork:
                 if id(s) in self._staged and id(s) not in touched
             ]
         for state, st in starting:
-            ready = len(st.arrived) == len(state.bucket.params)
-            if st.future is not None and not st.future.done() and not st.averaged:
-                if ready or last:
-                    self._start_average(state, st, threaded)
+            ready = last or len(st.arrived) == len(state.bucket.params)
+            if ready and st.future is not None and not st.future.done() and not st.averaged:
+                self._start_average(state, st, threaded)
         return [(st.future, spans) for _, st, spans in touched.values()]  # type: ignore[misc]
 
     def _start_average(self, state: FlatState, st: StagedWork, threaded: bool = False) -> None:
@@ -307,13 +304,12 @@ class EarlyWork:
 
     # -- step()'s side --------------------------------------------------------------------------
     def averaged(self, state: FlatState, step: int) -> set[int]:
-        """Indices of the bucket's parameters whose gradient is already the average (step
-        ``step``)."""
+        """Indices of the bucket's parameters whose gradient is already averaged (``step``)."""
         st = self.current(state, step)
         return st.averaged if st is not None else set()
 
     def failed(self, step: int) -> bool:
-        """Whether an early exchange for step ``step`` found non-finite values (on every rank
+        """Whether an early exchange for ``step`` found non-finite values (on every rank
         alike): the step must be skipped."""
         return any(st.failed for st in self._staged.values() if st.step == step)
 
@@ -321,12 +317,8 @@ class EarlyWork:
         """Whether gradients were used before ``step()`` for step ``step``: folded into a
         staged momentum (DDP hook or overlap), or averaged into a staged gradient that
         ``step()`` reads instead of ``p.grad`` (overlap)."""
-        overlap = self.threaded
-        return any(
-            st.folded or (overlap and st.averaged)
-            for st in self._staged.values()
-            if st.step == step
-        )
+        this_step = [st for st in self._staged.values() if st.step == step]
+        return any(st.folded or (self.threaded and st.averaged) for st in this_step)
 
     def averaged_grads(self, state: FlatState, step: int, out: torch.Tensor) -> torch.Tensor:
         """``out`` ← the bucket's gradients averaged over all ranks at full precision, flat:
@@ -355,21 +347,18 @@ class EarlyWork:
         error buffers into the exchange state (a bucket partly outside the DDP model completed
         first, from ``p.grad``); False: nothing started early, the algorithm does it all."""
         m = self._take(state, step)
-        if m is None:
-            return False
-        state.flat["exp_avg"].copy_(m)
-        return True
+        if m is not None:
+            state.flat["exp_avg"].copy_(m)
+        return m is not None
 
     def take_gradient(self, state: FlatState, step: int) -> torch.Tensor | None:
-        """:data:`GRADIENT`: the bucket's gradient exchanged at one bit for step ``step`` (a
-        staged buffer, the algorithm's until the next backward), its staged error buffers
-        committed; None when nothing was started early. Completed first like
-        :meth:`take_momentum`."""
+        """:data:`GRADIENT`: the bucket's 1-bit exchanged gradient (a staged buffer, the
+        algorithm's until the next backward), as :meth:`take_momentum` (None: none started)."""
         return self._take(state, step)
 
     @property
     def buffers(self) -> StagedBuffers:
-        """What the work writes, per bucket (a plan's exchange writes there too)."""
+        """What the work (and a plan's exchange) writes, per bucket."""
         return self._buffers
 
     def complete(self, state: FlatState, step: int) -> StagedWork:
@@ -399,9 +388,9 @@ class EarlyWork:
         return self._buffers.momentum(state)
 
     def clear(self) -> None:
-        """Drop all staged work and what it read (the step was taken or skipped, the state was
-        reloaded, or what the work read changed: ``step()`` then runs as ``overlap=False``
-        would), once every average in flight has completed (their buffers are reused)."""
+        """Drop all staged work and what it read (step taken or skipped, state reloaded, or
+        what the work read changed: ``step()`` then runs as ``overlap=False`` would), once every
+        average in flight has completed (their buffers are reused)."""
         for st in self._staged.values():
             if st.averaged and st.future is not None:
                 with contextlib.suppress(Exception):  # a failed average was raised already
