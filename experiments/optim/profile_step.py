@@ -2,143 +2,70 @@ r"""Where one rank's 1-bit Adam compression-stage ``step()`` spends its time, ph
 
 Forks ``--world-size`` gloo ranks (loopback) holding experiments/tcp's WideMLP shapes
 (25,175,040 parameters by default) and fixed random gradients, runs ``OnebitAdam`` past its
-warmup, then times ``--steps`` steps with the phases of the step wrapped in timers (the
-gradient agreement, the momentum fold, each kernel of the compressed allreduce, the
-compression-error dot product, the mask, the denominator, the step guard, the update). What
-is left of the exchange after its kernels is waiting on the wire and on the other ranks.
-Rank 0's median per step is printed, with the process CPU time per step of every rank.
+warmup, then takes ``--steps`` steps under :mod:`cProfile` and prints the inclusive time of the
+functions that do each phase (the gradient agreement, the momentum fold, each kernel of the
+compressed allreduce, the compression-error dot product, the mask, the denominator, the step
+guard, the update), found in the profile by qualified name
+(:mod:`experiments.common.profiling`). What is left of the exchange after
+its kernels is waiting on the wire and on the other ranks. Every other step of the
+``--steps`` is taken without the profiler, so its own cost shows (``step() wall`` profiled and
+not). Rank 0's median per step is printed (a phase never called: ``-``), with the process CPU
+time per plain step of every rank.
 
 ``--digest`` also prints a sha256 of the parameters and state after the run (per rank): a
 change to the kernels or the update must leave it unchanged (this covers the large, pipelined
 buffers that ``experiments.optim.state_digest``'s small model never reaches).
+``--steps 6 --digest`` printed ``b27af669b7bc2e93 2076cc39ea52b5ae 55d10eb24e799711
+7e094a22c5a98aaa`` from issue #12 (2026-11-22) to 2026-11-26.
 
 Usage::
 
-    python -m experiments.optim.profile_step [--world-size 4] [--steps 6] [--digest] [--compare]
+    python -m experiments.optim.profile_step [--world-size 4] [--steps 6] [--digest]
 
-``--compare`` interleaves steps taken as before the CPU-cost changes of issue #12 (the step
-guard's bound, indices, denominator copy and gather/scatter as they were; same results) with
-steps taken as now, in the same processes, and prints both columns.
+(The before/after columns of issue #12 in docs/performance.md came from a ``--compare`` mode
+that patched the old step guard back into private internals; it was removed once they were
+recorded. To see them again: ``git checkout e8945bb`` and run this module with ``--compare``.)
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
-import contextlib
+import cProfile
 import hashlib
 import statistics
 import time
-from collections.abc import Callable, Iterator
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
 import commopt
+from experiments.common.profiling import inclusive_times
 from experiments.common.training import describe_machine, launch, rank_and_size
 
-__all__ = ["main"]
+__all__ = ["PHASES", "main"]
 
 _SHAPES = [(4096, 1024), (4096,), (4096, 4096), (4096,), (1024, 4096), (1024,)]
 
 
-class _Timers:
-    def __init__(self) -> None:
-        self.totals: dict[str, float] = collections.defaultdict(float)
-        self._undo: list[Callable[[], None]] = []
-
-    def wrap(self, owner: Any, attr: str, label: str) -> None:
-        original = getattr(owner, attr)
-        totals = self.totals
-
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            t0 = time.perf_counter()
-            try:
-                return original(*args, **kwargs)
-            finally:
-                totals[label] += time.perf_counter() - t0
-
-        setattr(owner, attr, timed)
-        self._undo.append(lambda: setattr(owner, attr, original))
-
-    def undo(self) -> None:
-        for fn in reversed(self._undo):
-            fn()
-
-
-@contextlib.contextmanager
-def _instrumented() -> Iterator[_Timers]:
-    import commopt.optim._adam as adam
-    import commopt.optim._agreement as agreement
-    import commopt.optim._communication as communication
-    import commopt.optim.onebit_adam as onebit_adam
-    from commopt.kernels import numba_kernels
-    from commopt.optim.flat_state import FlatState
-
-    timers = _Timers()
-    timers.wrap(agreement.GradientAgreement, "verdict", "agree (finite check)")
-    timers.wrap(onebit_adam, "momentum_from_grads_", "momentum fold")
-    timers.wrap(communication.Communication, "compress", "exchange (total)")
-    timers.wrap(numba_kernels.NumbaKernels, "scale", "  kernel: worker scale")
-    timers.wrap(numba_kernels.NumbaKernels, "pack_compensated_", "  kernel: worker pack")
-    timers.wrap(numba_kernels._NumbaServerStages, "average_", "  kernel: server average")
-    timers.wrap(numba_kernels._NumbaServerStages, "pack_", "  kernel: server pack")
-    timers.wrap(numba_kernels.NumbaKernels, "server_reduce_", "  kernel: server (unstaged)")
-    timers.wrap(numba_kernels.NumbaKernels, "unpack_scaled_", "  kernel: unpack")
-    timers.wrap(torch.Tensor, "dot", "  compression-error dot")
-    timers.wrap(onebit_adam.OnebitAdam, "_mask", "mask")
-    timers.wrap(onebit_adam.OnebitAdam, "_apply_update", "update (total)")
-    timers.wrap(FlatState, "denominator", "  denominator")
-    timers.wrap(onebit_adam, "guarded_adam_update_", "  step guard + addcdiv")
-    timers.wrap(adam, "guarded_elements", "    step guard: its elements")
-    try:
-        yield timers
-    finally:
-        timers.undo()
-
-
-@contextlib.contextmanager
-def _as_before() -> Iterator[None]:
-    """The step as it was before the CPU-cost work of issue #12 (same results, bit for bit):
-    the step guard's bound recomputed, its indices filtered and its denominator copied from d
-    in full every step, its gather/scatter in torch. For side-by-side timing in one process."""
-    import commopt.optim.step_guard as step_guard
-    from commopt.kernels import TorchKernels, numba_kernels
-    from commopt.optim.flat_state import FlatState
-
-    def tiny_variance_in(self: FlatState, ratio: float, start: int, stop: int) -> Any:
-        tiny = self.tiny_variance(ratio)
-        if tiny is None:
-            return None
-        where = tiny[(tiny >= start) & (tiny < stop)]
-        return where - start if where.numel() else None
-
-    def guard_denominator_base(self: FlatState, d: torch.Tensor) -> torch.Tensor:
-        return self.scratch("guarded denominator").copy_(d)
-
-    saved = [
-        (step_guard, "adam_step_bound", step_guard.adam_step_bound),
-        (FlatState, "tiny_variance_in", FlatState.tiny_variance_in),
-        (FlatState, "guard_denominator_base", FlatState.guard_denominator_base),
-        (
-            numba_kernels.NumbaKernels,
-            "guard_denominator_",
-            vars(numba_kernels.NumbaKernels)["guard_denominator_"],
-        ),
-    ]
-    reference = TorchKernels()
-    step_guard.adam_step_bound = step_guard.adam_step_bound.__wrapped__
-    FlatState.tiny_variance_in = tiny_variance_in
-    FlatState.guard_denominator_base = guard_denominator_base
-    numba_kernels.NumbaKernels.guard_denominator_ = lambda self, *a: reference.guard_denominator_(
-        *a
-    )
-    try:
-        yield
-    finally:
-        for owner, attr, value in saved:
-            setattr(owner, attr, value)
+#: (row label, the function whose inclusive time it is), in the order printed
+PHASES = [
+    ("agree (finite check)", "commopt.optim._agreement.GradientAgreement.verdict"),
+    ("momentum fold", "commopt.optim._adam.momentum_from_grads_"),
+    ("exchange (total)", "commopt.optim._communication.Communication.compress"),
+    ("  kernel: worker scale", "commopt.kernels.numba_kernels.NumbaKernels.scale"),
+    ("  kernel: worker pack", "commopt.kernels.numba_kernels.NumbaKernels.pack_compensated_"),
+    ("  kernel: server average", "commopt.kernels.numba_kernels._NumbaServerStages.average_"),
+    ("  kernel: server pack", "commopt.kernels.numba_kernels._NumbaServerStages.pack_"),
+    ("  kernel: server (unstaged)", "commopt.kernels.numba_kernels.NumbaKernels.server_reduce_"),
+    ("  kernel: unpack", "commopt.kernels.numba_kernels.NumbaKernels.unpack_scaled_"),
+    ("  compression-error dot", "<method 'dot' of 'torch._C.TensorBase' objects>"),
+    ("mask", "commopt.optim.base.CompressedOptimizer._mask"),
+    ("update (total)", "commopt.optim.onebit_adam.OnebitAdam._apply_update"),
+    ("  denominator", "commopt.optim.flat_state.FlatState.denominator"),
+    ("  step guard + addcdiv", "commopt.optim._adam.guarded_adam_update_"),
+    ("    step guard: its elements", "commopt.optim.step_guard.guarded_elements"),
+]
 
 
 def _state_digest(opt: torch.optim.Optimizer, params: list[torch.Tensor]) -> str:
@@ -153,7 +80,7 @@ def _state_digest(opt: torch.optim.Optimizer, params: list[torch.Tensor]) -> str
     return h.hexdigest()[:16]
 
 
-def _run(steps: int, digest: bool, guard: bool | str, label: str, compare: bool) -> dict:
+def _run(steps: int, digest: bool, guard: bool | str, label: str) -> dict:
     rank, n = rank_and_size()
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(s) * 0.02) for s in _SHAPES]
@@ -167,37 +94,38 @@ def _run(steps: int, digest: bool, guard: bool | str, label: str, compare: bool)
 
     for _ in range(4):  # 2 warmup steps, then past the first compressed exchanges
         step()
-    modes = ("before", "now") if compare else ("now",)
-    per_step = {m: collections.defaultdict(list) for m in modes}
-    cpu: dict[str, list[float]] = {m: [] for m in modes}
-    with _instrumented() as timers:
-        for i in range(steps * len(modes)):
-            mode = modes[i % len(modes)]  # interleaved: both see the same load
-            for p in params:
-                p.grad = torch.randn(p.shape, generator=gen)
-            timers.totals.clear()
-            with _as_before() if mode == "before" else contextlib.nullcontext():
-                dist.barrier()
-                t0, c0 = time.perf_counter(), time.process_time()
-                opt.step()
-                per_step[mode]["step() wall"].append(time.perf_counter() - t0)
-                cpu[mode].append(time.process_time() - c0)
-            for k, v in timers.totals.items():
-                per_step[mode][k].append(v)
-    result = {"label": label, "modes": {}}
-    for mode in modes:
-        cpu_all = [0.0] * n
-        cpu_all[rank] = statistics.median(cpu[mode]) * 1e3
-        t = torch.tensor(cpu_all, dtype=torch.float64)
-        dist.all_reduce(t)
-        result["modes"][mode] = {
-            "phases_ms": {k: statistics.median(v) * 1e3 for k, v in per_step[mode].items()},
-            "cpu_ms_per_rank": t.tolist(),
-        }
+    per_step: dict[str, list[float]] = collections.defaultdict(list)
+    cpu: list[float] = []
+    for i in range(steps):  # profiled and plain steps interleaved: both see the same load
+        profiled = i % 2 == 0
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen)
+        profile = cProfile.Profile()
+        dist.barrier()
+        t0, c0 = time.perf_counter(), time.process_time()
+        if profiled:
+            profile.enable()
+        opt.step()
+        profile.disable()
+        wall = time.perf_counter() - t0
+        if not profiled:
+            per_step["step() wall, not profiled"].append(wall)
+            cpu.append(time.process_time() - c0)
+            continue
+        per_step["step() wall, profiled"].append(wall)
+        for name, seconds in inclusive_times(profile, (n for _, n in PHASES)).items():
+            per_step[name].append(seconds)
+    cpu_all = [0.0] * n
+    cpu_all[rank] = statistics.median(cpu) * 1e3
+    t = torch.tensor(cpu_all, dtype=torch.float64)
+    dist.all_reduce(t)
     digests = [None] * n
     dist.all_gather_object(digests, _state_digest(opt, params) if digest else "")
-    result["digests"] = digests
-    return result
+    return {
+        "phases_ms": {k: statistics.median(v) * 1e3 for k, v in per_step.items()},
+        "cpu_ms_per_rank": t.tolist(),
+        "digests": digests,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -207,26 +135,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--digest", action="store_true")
     parser.add_argument("--step-guard", choices=("tiny", "off"), default="tiny")
     parser.add_argument("--label", default="")
-    parser.add_argument(
-        "--compare",
-        action="store_true",
-        help="interleave steps as before the issue #12 CPU work (same results) for side-by-side",
-    )
     args = parser.parse_args(argv)
     guard: bool | str = False if args.step_guard == "off" else "tiny"
-    r = launch(_run, args.world_size, args.steps, args.digest, guard, args.label, args.compare)
+    r = launch(_run, args.world_size, args.steps, args.digest, guard, args.label)
     if r is None:
         return 0
     machine = describe_machine()
     print(f"# {args.label} OnebitAdam compression step, {args.world_size} ranks; {machine}")
-    modes = list(r["modes"])
-    print("| phase (rank 0, ms/step, median) | " + " | ".join(modes) + " |")
-    print("|---|" + "---|" * len(modes))
-    for k in r["modes"][modes[0]]["phases_ms"]:
-        row = [r["modes"][m]["phases_ms"].get(k, 0.0) for m in modes]
-        print(f"| {k} | " + " | ".join(f"{v:.1f}" for v in row) + " |")
-    cpus = [", ".join(f"{c:.0f}" for c in r["modes"][m]["cpu_ms_per_rank"]) for m in modes]
-    print("| CPU ms/step per rank | " + " | ".join(cpus) + " |")
+    print("| phase (rank 0, ms/step, median) | ms |")
+    print("|---|---|")
+    rows = [("step() wall, not profiled",) * 2, ("step() wall, profiled",) * 2, *PHASES]
+    for label, name in rows:
+        ms = r["phases_ms"].get(name)
+        print(f"| {label} | {'-' if ms is None else f'{ms:.1f}'} |")
+    cpus = ", ".join(f"{c:.0f}" for c in r["cpu_ms_per_rank"])
+    print(f"| CPU ms/step per rank (steps not profiled) | {cpus} |")
     if args.digest:
         print("digest", " ".join(r["digests"]))
     return 0

@@ -132,3 +132,49 @@ def test_the_private_read_checker_finds_one(tmp_path: pathlib.Path) -> None:
     path = tmp_path / "m.py"
     path.write_text("def f(opt):\n    return opt._early_kind, self._fine, torch._foreach_mul_\n")
     assert _private_reads(path) == ["m.py:2: opt._early_kind"]
+
+
+#: private attributes read in experiments/ and examples/ that are not commopt's
+NOT_COMMOPTS = {
+    "DDP._set_params_and_buffers_to_ignore_for_model",  # torch's way to keep a layer out of DDP
+    "model._commopt",  # the HF example's own marker: the hook is registered once
+}
+
+
+def _private_imports(path: pathlib.Path) -> list[str]:
+    """Imports of a private commopt module or name (``commopt.optim._adam``, ``_agree``)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("commopt"):
+            names = [node.module or "", *(a.name for a in node.names)]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names if a.name.startswith("commopt")]
+        else:
+            continue
+        parts = [p for name in names for p in name.split(".")]
+        if any(p.startswith("_") and not p.startswith("__") for p in parts):
+            found.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_experiments_and_examples_use_only_public_names() -> None:
+    """They show how commopt is used (issue 24: no imports of private names); the profilers
+    read private functions' times from a cProfile by name instead (experiments.common.profiling)."""
+    repo = ROOT.parent
+    paths = [p for d in ("experiments", "examples") for p in (repo / d).rglob("*.py")]
+    found = [hit for path in paths for hit in _private_imports(path)]
+    reads = [hit for path in paths for hit in _private_reads(path)]
+    found += [hit for hit in reads if hit.split(": ", 1)[1] not in NOT_COMMOPTS]
+    assert found == []
+
+
+def test_the_private_import_checker_finds_them(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "m.py"
+    path.write_text(
+        "import commopt.optim._adam\nfrom commopt.compressed import _agree, compression_bytes\n"
+        "from commopt import OnebitAdam\nimport torch._C\n"
+    )
+    assert _private_imports(path) == [
+        "m.py:1: import commopt.optim._adam",
+        "m.py:2: from commopt.compressed import _agree, compression_bytes",
+    ]
