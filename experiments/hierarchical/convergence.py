@@ -1,3 +1,4 @@
+# ruff: noqa: E402  (torch is imported after its CPU kernels are capped, below)
 r"""Experiment: does 1-bit Adam converge the same with the hierarchical exchange as with flat?
 
 4 forked gloo ranks faking 2 nodes × 2 ranks (LOCAL_RANK / LOCAL_WORLD_SIZE / GROUP_RANK set per
@@ -11,6 +12,10 @@ difference between topologies is compared with.
 """
 
 from __future__ import annotations
+
+from experiments.cpu_isa import cap_at_avx2
+
+cap_at_avx2()  # before torch loads: the losses reported move with an ulp (see there)
 
 import argparse
 import os
