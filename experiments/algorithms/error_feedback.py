@@ -7,8 +7,10 @@ Heterogeneous digits: rank r trains only on the classes c with c mod n == r (at 
 compression stage each rank's momentum is built from its own classes only, so the ranks'
 buffers differ systematically; this is the regime where the EControl paper expects classic
 error feedback to suffer. Variants: OnebitAdam and ZeroOneAdam (both with the convergence
-suite's settings), each with error_feedback="classic" and "econtrol" at several η, and Adam
-(fp32 averaging) as the reference. Writes results/error_feedback_digits.md and .png.
+suite's settings), each with error_feedback="classic" and "econtrol" at several η; ZeroOneAdam
+also uncorrected (``bias_correction=False``, the papers' v) with "classic" and η = 0.2; and Adam
+(fp32 averaging) as the reference. Writes results/error_feedback_digits.md and .png (with
+``--seeds`` several: one pair per seed and error_feedback_digits_seeds.md).
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ def makers(lr: float, beta2: float, warmup: int, steps: int, etas: list[float]) 
             econtrol_eta=eta,
         )
 
-    def zero_one(feedback, eta=0.2):
+    def zero_one(feedback, eta=0.2, bias_correction=True):
         return lambda params, be: commopt.ZeroOneAdam(
             params,
             lr=lr,
@@ -63,6 +65,7 @@ def makers(lr: float, beta2: float, warmup: int, steps: int, etas: list[float]) 
             backend=be,
             error_feedback=feedback,
             econtrol_eta=eta,
+            bias_correction=bias_correction,
         )
 
     out = {"Adam": lambda params, be: torch.optim.Adam(params, lr=lr, betas=(0.9, beta2))}
@@ -72,6 +75,9 @@ def makers(lr: float, beta2: float, warmup: int, steps: int, etas: list[float]) 
     out["ZeroOneAdam classic"] = zero_one("classic")
     for eta in etas:
         out[f"ZeroOneAdam econtrol η={eta}"] = zero_one("econtrol", eta)
+    # the papers' uncorrected v (bias_correction=False, the default until 2026-11-22), beside
+    out["ZeroOneAdam classic, uncorrected"] = zero_one("classic", bias_correction=False)
+    out["ZeroOneAdam econtrol η=0.2, uncorrected"] = zero_one("econtrol", 0.2, False)
     return out
 
 
