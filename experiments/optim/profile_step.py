@@ -5,12 +5,11 @@ Forks ``--world-size`` gloo ranks (loopback) holding experiments/tcp's WideMLP s
 warmup, then takes ``--steps`` steps under :mod:`cProfile` and prints the inclusive time of the
 functions that do each phase (the gradient agreement, the momentum fold, each kernel of the
 compressed allreduce, the compression-error dot product, the mask, the denominator, the step
-guard, the update), found in the profile by qualified name
-(:mod:`experiments.common.profiling`). What is left of the exchange after
-its kernels is waiting on the wire and on the other ranks. Every other step of the
-``--steps`` is taken without the profiler, so its own cost shows (``step() wall`` profiled and
-not). Rank 0's median per step is printed (a phase never called: ``-``), with the process CPU
-time per plain step of every rank.
+guard, the update), found in the profile by qualified name (:mod:`experiments.common.profiling`).
+What is left of the exchange after its kernels is waiting on the wire and on the other ranks.
+Every other step of the ``--steps`` is taken without the profiler, so its own cost shows
+(``step() wall`` profiled and not). Rank 0's median per step is printed (a phase never called:
+``-``), with the process CPU time per plain step of every rank.
 
 ``--digest`` also prints a sha256 of the parameters and state after the run (per rank): a
 change to the kernels or the update must leave it unchanged (this covers the large, pipelined

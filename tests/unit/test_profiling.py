@@ -22,8 +22,8 @@ def test_every_name_read_from_a_profile_is_a_function_in_the_source() -> None:
 
 
 def _profiled_steps(backend: commopt.Backend, pipelined: bool) -> set[str]:
-    if pipelined:  # (a forked rank: the constant changes there only)
-        commopt.pipelined.MIN_STAGE = 1 << 10  # the profiled run's 25M elements get 6 stages
+    if pipelined:  # staged server kernels, as the profiled run's 25M elements get (6 stages);
+        commopt.pipelined.MIN_STAGE = 1 << 10  # a forked rank: the constant changes there only
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(s)) for s in [(64, 64), (64,)]]
     opt = commopt.OnebitAdam(params, freeze_step=2, backend=backend)
