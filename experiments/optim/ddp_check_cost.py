@@ -17,6 +17,7 @@ import time
 import torch
 
 import commopt
+from experiments.common import describe_machine
 from experiments.common.profiling import inclusive_times
 from experiments.tcp.bench import WideMLP
 from tests.multirank.harness import run_ranks
@@ -51,8 +52,6 @@ def run(backend: commopt.Backend) -> dict[str, list[float]]:
 
 
 if __name__ == "__main__":
-    from experiments.common.training import describe_machine
-
     print(f"# 2 gloo ranks, 25.2M-parameter MLP, OnebitAdam warmup; {describe_machine()}")
     for _ in range(2):
         r = run_ranks(run, 2, timeout=300)[0]
