@@ -222,6 +222,11 @@ def _destroy_at_exit() -> None:
     global _owns_process_group
     close_watchdogs()
     if _owns_process_group and dist.is_available() and dist.is_initialized():
+        # Not destroy_process_group()'s collective drain: a rank can reach exit alone (an
+        # exception), and a barrier there would hang it. Only its non-collective half: 50 ms
+        # with the GIL free, for a gloo worker still letting go of the last collective.
+        if "gloo" in str(dist.get_backend()):
+            time.sleep(0.05)
         dist.destroy_process_group()
     _owns_process_group = False
     set_default_backend(None)
@@ -283,8 +288,11 @@ def destroy_process_group(group: dist.ProcessGroup | None = None) -> None:
         time.sleep(0.05)
         probe = torch.zeros(1)
         dist.all_reduce(probe, group=group)
+        # Tensor._use_count is torch's own (private) reference count; a torch without it gets
+        # the barrier and the sleep only.
+        use_count = getattr(probe, "_use_count", lambda: 1)
         deadline = time.monotonic() + _SETTLE_TIMEOUT
-        while probe._use_count() > 1:  # gloo's worker still holds the all-reduce
+        while use_count() > 1:  # gloo's worker still holds the all-reduce
             if time.monotonic() > deadline:
                 logger.warning(
                     "commopt.destroy_process_group: gloo still held its last collective after "
