@@ -62,14 +62,16 @@ class Rule:
     """Base: keeps the observations (replay only: O(t) memory, no monotone queues)."""
 
     min_step = 40
+    fraction = 0.5  # the window's share of the steps so far (today's f)
 
     def __init__(self) -> None:
         self.xs: list[tuple[int, float]] = []
         self.frozen_at: int | None = None
 
     def window(self, t: int) -> list[tuple[int, float]]:
-        """Observations in [t − ⌊t/2⌋, t] (today's window), or [] if not yet covered."""
-        start = t - t // 2
+        """Observations in [t − ⌊f·t⌋, t] (today's window at f = 1/2), or [] if not yet
+        covered."""
+        start = t - math.floor(self.fraction * t)
         if not self.xs or self.xs[0][0] > start:
             return []
         return [(s, x) for s, x in self.xs if s >= start]
@@ -123,9 +125,9 @@ def slope(w: list[tuple[int, float]]) -> tuple[float, float]:
 class LogRange(Rule):
     """Today's rule: R_t ≤ τ (commopt.optim.freeze.AutoFreeze)."""
 
-    def __init__(self, tau: float = 0.05) -> None:
+    def __init__(self, tau: float = 0.05, fraction: float = 0.5) -> None:
         super().__init__()
-        self.tau = tau
+        self.tau, self.fraction = tau, fraction
 
     def decide(self, t: int) -> bool:
         return log_range(self.window(t)) <= self.tau
@@ -293,6 +295,11 @@ class PeakAnchor(Rule):
 
 RULES: dict[str, Any] = {
     "log-range τ=0.05 (today)": lambda: LogRange(0.05),
+    "log-range f=0.4, τ=0.05": lambda: LogRange(0.05, fraction=0.4),
+    "log-range f=0.6, τ=0.05": lambda: LogRange(0.05, fraction=0.6),
+    "log-range τ=0.04": lambda: LogRange(0.04),
+    "log-range τ=0.06": lambda: LogRange(0.06),
+    "log-range τ=0.07": lambda: LogRange(0.07),
     "relaxed τ=0.05·(t/40)^0.5": lambda: RelaxedRange(0.05, 0.5),
     "relaxed τ=0.05·(t/40)^1": lambda: RelaxedRange(0.05, 1.0),
     "relaxed τ=0.05·(t/40)^2": lambda: RelaxedRange(0.05, 2.0),
@@ -371,7 +378,8 @@ def replay_table(traces: dict[str, dict[str, Any]]) -> str:
     notes = [
         "",
         f"– = did not freeze within the trace ({', '.join(map(str, sorted(steps)))} steps). "
-        "min_step = 40 and the window [t − ⌊t/2⌋, t] for every rule.",
+        "min_step = 40 and the window [t − ⌊f·t⌋, t], f = 1/2 unless the rule names f, "
+        "for every rule.",
         "t_n (first step with q ≤ 2(1 − β1)/(1 + β1) = 0.105): "
         + "; ".join(f"{task} {t_n[task]}" for task in tasks),
     ]

@@ -104,6 +104,12 @@ def test_freeze_rules_replay_and_run(tmp_path):
     _run("experiments.algorithms.freeze_rules", tmp_path)
     replay = (tmp_path / "freeze_rules_replay.md").read_text()
     assert "| signal anchor 6·t_n |" in replay and "| log-range τ=0.05 (today) |" in replay
+    # The committed table (docs/algorithms/auto_freeze.md quotes it) is what the replay of the
+    # committed traces gives.
+    committed = (
+        pathlib.Path(__file__).parents[2] / "experiments/algorithms/results/freeze_rules_replay.md"
+    )
+    assert replay == committed.read_text()
     args = ("--run", "snr-anchor", "--task", "digits", "--seeds", "0", "--steps", "8")
     _run("experiments.algorithms.freeze_rules", tmp_path, *args, "--sweep", "3")
     table = (tmp_path / "freeze_rule_snr-anchor_digits_8steps.md").read_text()
