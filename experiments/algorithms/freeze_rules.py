@@ -44,11 +44,13 @@ import math
 import pathlib
 import statistics
 import sys
+import time
 from typing import Any
 
 import commopt
 from commopt.optim.freeze import VarianceLevel
 from experiments.algorithms.common import run_variants
+from experiments.common.training import describe_machine
 from experiments.convergence.run import DEFAULTS
 
 RESULTS = pathlib.Path(__file__).parent / "results"
@@ -456,6 +458,7 @@ def run_rule(
     finals: dict[str, list[float]] = {k: [] for k in makers}
     mb: dict[str, list[float]] = {k: [] for k in makers}
     steps_at: list[int | None] = []
+    started = time.monotonic()
     for seed in seeds:
         result = run_variants(task, makers, steps, d["eval_every"], 4, overrides={"seed": seed})
         for k, r in result["runs"].items():
@@ -494,6 +497,9 @@ def run_rule(
     lines += [
         "",
         f"Rule froze at: {', '.join('never' if s is None else str(s) for s in steps_at)}.",
+        "",
+        f"{time.monotonic() - started:.0f} s on {describe_machine()} (end); torch's CPU "
+        "kernels capped at AVX2.",
     ]
     text = "\n".join(lines) + "\n"
     out.mkdir(parents=True, exist_ok=True)
