@@ -100,16 +100,20 @@ def test_error_feedback_lm(tmp_path):
     assert "| OnebitAdam econtrol η=0.2 |" in table and "| OnebitAdam classic |" in table
 
 
+T600 = "freeze_traces_digits600.json"
+
+
 def test_freeze_rules_replay_and_run(tmp_path):
     _run("experiments.algorithms.freeze_rules", tmp_path)
     replay = (tmp_path / "freeze_rules_replay.md").read_text()
     assert "| signal anchor 6·t_n |" in replay and "| log-range τ=0.05 (today) |" in replay
     # The committed table (docs/algorithms/auto_freeze.md quotes it) is what the replay of the
     # committed traces gives.
-    committed = (
-        pathlib.Path(__file__).parents[2] / "experiments/algorithms/results/freeze_rules_replay.md"
-    )
-    assert replay == committed.read_text()
+    results = pathlib.Path(__file__).parents[2] / "experiments/algorithms/results"
+    assert replay == (results / "freeze_rules_replay.md").read_text()
+    _run("experiments.algorithms.freeze_rules", tmp_path, "--traces", str(results / T600))
+    replay600 = (tmp_path / "freeze_traces_digits600_replay.md").read_text()
+    assert replay600 == (results / "freeze_traces_digits600_replay.md").read_text()
     args = ("--run", "snr-anchor", "--task", "digits", "--seeds", "0", "--steps", "8")
     _run("experiments.algorithms.freeze_rules", tmp_path, *args, "--sweep", "3")
     table = (tmp_path / "freeze_rule_snr-anchor_digits_8steps.md").read_text()
