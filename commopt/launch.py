@@ -255,6 +255,9 @@ def shutdown() -> None:
 
 
 _SETTLE_TIMEOUT = 60.0  # seconds one probe may stay in gloo's hands after it completed
+# torch's own (private) count of a tensor's holders; on a torch without it,
+# destroy_process_group() gets the barrier and the pause only.
+_use_count = getattr(torch.Tensor, "_use_count", None)
 
 
 def destroy_process_group(group: dist.ProcessGroup | None = None) -> None:
@@ -288,11 +291,8 @@ def destroy_process_group(group: dist.ProcessGroup | None = None) -> None:
         time.sleep(0.05)
         probe = torch.zeros(1)
         dist.all_reduce(probe, group=group)
-        # Tensor._use_count is torch's own (private) reference count; a torch without it gets
-        # the barrier and the sleep only.
-        use_count = getattr(probe, "_use_count", lambda: 1)
         deadline = time.monotonic() + _SETTLE_TIMEOUT
-        while use_count() > 1:  # gloo's worker still holds the all-reduce
+        while _use_count is not None and _use_count(probe) > 1:  # gloo still holds the probe
             if time.monotonic() > deadline:
                 logger.warning(
                     "commopt.destroy_process_group: gloo still held its last collective after "

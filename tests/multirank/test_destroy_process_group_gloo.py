@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 import commopt
+from commopt import launch
 from tests.multirank.harness import run_ranks
 
 
@@ -45,6 +46,20 @@ def test_returns_after_gloo_freed_the_last_collective_and_the_model_dies_cleanly
 def test_control_torch_destroy_then_the_model_deadlocks():
     with pytest.raises(TimeoutError, match=r"ranks \[0, 1\] did not finish"):
         run_ranks(_end_with_a_collective_in_flight, 2, False, timeout=10)
+
+
+def _end_after_a_collective(backend: commopt.Backend) -> bool:
+    x = torch.ones(4)
+    dist.all_reduce(x)
+    commopt.destroy_process_group()
+    return dist.is_initialized()
+
+
+def test_a_torch_without_use_count_gets_the_barrier_and_the_pause(monkeypatch):
+    # Forked ranks inherit the patched module: destroy_process_group() cannot wait on the
+    # probe's count there, and still ends the group on every rank.
+    monkeypatch.setattr(launch, "_use_count", None)
+    assert run_ranks(_end_after_a_collective, 2, timeout=30) == [False, False]
 
 
 def test_refuses_without_a_process_group():
