@@ -223,10 +223,9 @@ def _destroy_at_exit() -> None:
     close_watchdogs()
     if _owns_process_group and dist.is_available() and dist.is_initialized():
         # Not destroy_process_group()'s collective drain: a rank can reach exit alone (an
-        # exception), and a barrier there would hang it. Only its non-collective half: 50 ms
-        # with the GIL free, for a gloo worker still letting go of the last collective.
-        if "gloo" in str(dist.get_backend()):
-            time.sleep(0.05)
+        # exception), and a barrier there would hang it. Only its non-collective half.
+        if _uses_gloo(None):
+            time.sleep(_GLOO_PAUSE)
         dist.destroy_process_group()
     _owns_process_group = False
     set_default_backend(None)
@@ -255,6 +254,9 @@ def shutdown() -> None:
 
 
 _SETTLE_TIMEOUT = 60.0  # seconds one probe may stay in gloo's hands after it completed
+# Seconds with the GIL free before a gloo group is destroyed, for a worker that completed the
+# last collective but has not yet taken gloo's work lock to free it.
+_GLOO_PAUSE = 0.05
 # torch's own (private) count of a tensor's holders; on a torch without it,
 # destroy_process_group() gets the barrier and the pause only.
 _use_count = getattr(torch.Tensor, "_use_count", None)
@@ -286,9 +288,9 @@ def destroy_process_group(group: dist.ProcessGroup | None = None) -> None:
         raise RuntimeError(
             "commopt.destroy_process_group: torch.distributed is not initialized (nothing to end)"
         )
-    if "gloo" in str(dist.get_backend(group)):  # also "cpu:gloo,cuda:nccl"
+    if _uses_gloo(group):
         dist.barrier(group=group)
-        time.sleep(0.05)
+        time.sleep(_GLOO_PAUSE)
         probe = torch.zeros(1)
         dist.all_reduce(probe, group=group)
         deadline = time.monotonic() + _SETTLE_TIMEOUT
@@ -302,6 +304,12 @@ def destroy_process_group(group: dist.ProcessGroup | None = None) -> None:
                 break
             time.sleep(0.001)
     dist.destroy_process_group(group)
+
+
+def _uses_gloo(group: dist.ProcessGroup | None) -> bool:
+    """Whether ``group`` (None: the default group) runs gloo, alone or beside NCCL
+    ("cpu:gloo,cuda:nccl")."""
+    return "gloo" in str(dist.get_backend(group))
 
 
 @torch.no_grad()
