@@ -186,8 +186,7 @@ def compressed_allreduce_and_scale(
     _check_error_buffer(
         "server_error", server_error, padded // n, tensor, f"padded_size({numel}, {n}) // {n}"
     )
-    if pipeline is not None and (isinstance(pipeline, bool) or pipeline < 1):
-        raise ValueError(f"pipeline must be a stage count >= 1 or None, got {pipeline!r}")
+    pipelined.check_stages(pipeline)
     if out is None:  # a released result's buffer, on CPU (fresh pages cost more than the call)
         out = output_like(tensor)
     elif out.shape != tensor.shape or out.dtype != tensor.dtype:

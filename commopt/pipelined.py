@@ -37,12 +37,24 @@ touches a device buffer.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from commopt.comm import Backend, all_gather_async, all_to_all_async
 from commopt.kernels import Kernels, ServerStages
 
-__all__ = ["ALIGN", "MAX_STAGES", "MIN_STAGE", "auto_stages", "stage_ranges", "staged_exchange"]
+__all__ = [
+    "ALIGN",
+    "MAX_STAGES",
+    "MIN_STAGE",
+    "Arrival",
+    "auto_stages",
+    "check_stages",
+    "stage_ranges",
+    "staged_exchange",
+    "staged_server",
+]
 
 # Stage boundaries within a server chunk fall on multiples of this many elements: whole bytes of
 # signs, and whole blocks of the numba kernels (whose per-block sums of squares make t exact).
@@ -51,6 +63,13 @@ ALIGN = 4096
 # per-element work and 0.5 MB of signs each way per stage for 4M fp32 elements).
 MIN_STAGE = 1 << 22
 MAX_STAGES = 8
+
+
+def check_stages(pipeline: int | None) -> int | None:
+    """``pipeline`` itself if it is a stage count ≥ 1 or ``None``, else ``ValueError``."""
+    if pipeline is not None and (isinstance(pipeline, bool) or pipeline < 1):
+        raise ValueError(f"pipeline must be a stage count >= 1 or None, got {pipeline!r}")
+    return pipeline
 
 
 def auto_stages(padded: int, world_size: int) -> int:
@@ -95,7 +114,21 @@ class _WholeChunk:
         bits.copy_(self.bits[lo // 8 : lo // 8 + bits.numel()])
 
 
-def staged_exchange(
+class Arrival(NamedTuple):
+    """One stage of the servers' signs on its way: range [lo, hi) of every server chunk.
+
+    ``signs`` is [n, (hi − lo)/8] bytes (row j: server j's signs of that range, MSB first), to be
+    read only after ``done.wait()``; ``sent`` is this rank's row, kept alive until then.
+    """
+
+    lo: int
+    hi: int
+    signs: torch.Tensor
+    done: torch.futures.Future[torch.Tensor]
+    sent: torch.Tensor
+
+
+def staged_server(
     be: Backend,
     kernels: Kernels,
     x: torch.Tensor,
@@ -103,14 +136,16 @@ def staged_exchange(
     worker_error: torch.Tensor,
     worker_scales: torch.Tensor,
     server_error: torch.Tensor,
-    y: torch.Tensor,
     stages: int,
-) -> None:
-    """SPEC §1 steps 4–9 in ``stages`` stages (see the module docstring).
+) -> tuple[torch.Tensor, list[Arrival]]:
+    """SPEC §1 steps 4–8 in ``stages`` stages (steps 1–4 of the module docstring).
 
-    ``x`` is this rank's flat fp32 buffer (L elements), ``s`` its agreed worker scale and
-    ``worker_scales`` everyone's; e (N) and f (N/n) are updated in place and y (L elements, may
-    share x's memory: every read of x happens before the first write of y) receives the result.
+    ``x`` is this rank's flat fp32 buffer (at most N elements: the rest is the zero pad), ``s``
+    its agreed worker scale and ``worker_scales`` everyone's; e (N) and f (N/n) are updated in
+    place. Returns the n server scales (arrived) and the stages' server signs, still on the
+    wire, in stage order: whoever consumes them (:func:`staged_exchange` unpacks them; the
+    hierarchical exchange forwards them inside the node first) overlaps that work with the
+    later stages' transfers.
     """
     n = be.world_size
     chunk = server_error.numel()
@@ -145,18 +180,40 @@ def staged_exchange(
     scales_fut = all_gather_async(be, server_scales, t.reshape(1))
 
     # 4. server: pack range k of c_s (f updated there) and send it to everyone.
-    phase2 = []
+    arrivals = []
     for lo, hi in ranges:
         bits = torch.empty((hi - lo) // 8, dtype=torch.uint8, device=dev)
         server.pack_(t, lo, bits)
         gathered = torch.empty(n, (hi - lo) // 8, dtype=torch.uint8, device=dev)
-        phase2.append((lo, hi, gathered, all_gather_async(be, gathered, bits), bits))
-
-    # 5. worker: y = t_j·sgn for range k of every chunk j, as each stage arrives.
+        arrivals.append(Arrival(lo, hi, gathered, all_gather_async(be, gathered, bits), bits))
     scales_fut.wait()
-    for lo, hi, gathered, fut, _bits in phase2:
-        fut.wait()
-        for j in range(n):
+    return server_scales, arrivals
+
+
+def staged_exchange(
+    be: Backend,
+    kernels: Kernels,
+    x: torch.Tensor,
+    s: torch.Tensor,
+    worker_error: torch.Tensor,
+    worker_scales: torch.Tensor,
+    server_error: torch.Tensor,
+    y: torch.Tensor,
+    stages: int,
+) -> None:
+    """SPEC §1 steps 4–9 in ``stages`` stages (see the module docstring).
+
+    :func:`staged_server`, then step 5: y = t_j·sgn for range k of every chunk j, unpacked as
+    stage k arrives. y (as many elements as x, may share x's memory: every read of x happens
+    before the first write of y) receives the result.
+    """
+    server_scales, arrivals = staged_server(
+        be, kernels, x, s, worker_error, worker_scales, server_error, stages
+    )
+    chunk, numel = server_error.numel(), y.numel()
+    for lo, hi, gathered, done, _sent in arrivals:
+        done.wait()
+        for j in range(be.world_size):
             a = j * chunk + lo
             if a >= numel:
                 break

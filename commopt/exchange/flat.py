@@ -9,6 +9,7 @@ import torch
 from commopt.comm import Backend
 from commopt.compressed import compressed_allreduce_and_scale, padded_size
 from commopt.exchange.econtrol import econtrol_allreduce_
+from commopt.pipelined import check_stages
 
 __all__ = ["FEEDBACK_POLICIES", "Exchange", "FlatExchange"]
 
@@ -61,15 +62,25 @@ class FlatExchange:
             ``"classic"``). η = 1 feeds the whole error back as classic EF does; η → 0 turns
             the feedback off (EF21). The paper tunes it per problem; the default is from
             docs/algorithms/error_feedback.md's experiment.
+        pipeline: stages of ``"classic"``'s steps 4–9 (:mod:`commopt.pipelined`; the same bits
+            in any number); ``None`` (default): :func:`~commopt.pipelined.auto_stages`.
     """
 
-    def __init__(self, backend: Backend, feedback: Feedback = "classic", eta: float = 0.2) -> None:
+    def __init__(
+        self,
+        backend: Backend,
+        feedback: Feedback = "classic",
+        eta: float = 0.2,
+        *,
+        pipeline: int | None = None,
+    ) -> None:
         if feedback not in FEEDBACK_POLICIES:
             raise ValueError(
                 f"Invalid feedback: {feedback!r} (choose one of {', '.join(FEEDBACK_POLICIES)})"
             )
         if not 0.0 <= eta:  # also rejects NaN
             raise ValueError(f"Invalid eta: {eta} (must be >= 0)")
+        self.pipeline = check_stages(pipeline)
         self.backend = backend
         self.feedback = feedback
         self.eta = float(eta)
@@ -99,7 +110,12 @@ class FlatExchange:
                 self.backend,
             )
         _, s = compressed_allreduce_and_scale(
-            tensor, state["worker_error"], state["server_error"], self.backend, out=tensor
+            tensor,
+            state["worker_error"],
+            state["server_error"],
+            self.backend,
+            out=tensor,
+            pipeline=self.pipeline,
         )
         return s
 

@@ -36,7 +36,8 @@ from commopt.exchange.levels import (
     wants_shared_memory,
 )
 from commopt.exchange.topology import Topology, discover_topology
-from commopt.kernels import get_kernels
+from commopt.kernels import Kernels, get_kernels
+from commopt.pipelined import auto_stages, check_stages, staged_server
 
 __all__ = ["HierarchicalExchange"]
 
@@ -62,6 +63,11 @@ class HierarchicalExchange:
        scales t_k, as the cross level's last all-gather delivered them, are all-gathered inside
        the node, and every rank unpacks all L·K chunks into the output: y = concat_j y_j, first
        numel elements. Seven collectives per call, three of them across nodes (flat: four).
+
+    In P > 1 stages (``pipeline``), steps 2–3 run as :mod:`commopt.pipelined` runs flat's: range
+    k of every cross server chunk is stage k, the K server scales travel apart, and each stage's
+    signs are gathered inside the node and unpacked while the later ones cross. The same bits
+    and bytes, in 2P + 2 cross and P + 4 local collectives.
 
     Every rank of a node unpacks the same bytes, and step 2 is bit-identical across each cross
     group, so the output is bit-identical on all n ranks. With one node (K = 1) or one rank per
@@ -90,6 +96,8 @@ class HierarchicalExchange:
             writable /dev/shm, unless ``COMMOPT_SHARED_MEMORY=0``; a message too big for
             /dev/shm then goes through the process group (one warning). ``True``: always, and a
             too small /dev/shm is a ``RuntimeError``. ``False``: never.
+        pipeline: the stages P of steps 2–3; ``None`` (default): :func:`~commopt.pipelined.
+            auto_stages` of N over n ranks, as flat (4 at 16M elements).
         env, hostname: passed to :func:`~commopt.exchange.topology.discover_topology`.
 
     Raises:
@@ -108,9 +116,11 @@ class HierarchicalExchange:
         local_backend: Backend | None = None,
         cross_backend: Backend | None = None,
         shared_memory: SharedMemory = "auto",
+        pipeline: int | None = None,
         env: Mapping[str, str] | None = None,
         hostname: str | None = None,
     ) -> None:
+        self.pipeline = check_stages(pipeline)
         self.backend = resolve_backend(backend)
         be = self.backend
         topo = discover_topology(be, env, hostname=hostname) if topology is None else topology
@@ -141,7 +151,7 @@ class HierarchicalExchange:
                     f"{topo.num_nodes} node(s) × {topo.local_size} rank(s): there is only one "
                     "level, so local_backend/cross_backend must not be given"
                 )
-            self._flat = FlatExchange(be)
+            self._flat = FlatExchange(be, pipeline=pipeline)
             self.name = self._flat.name  # the same state, restorable both ways
             return
         # Checkpoints restore a rank's buffers only into an exchange of the same name (and world
@@ -200,6 +210,7 @@ class HierarchicalExchange:
                 )
         kernels = get_kernels(tensor.device)
         buf = self._buffers(numel, padded, tensor.device)
+        stages = self.pipeline or auto_stages(padded, self.backend.world_size)
 
         # 0. inside the node, every local rank's (finite?, numel); 1. the local reduce-scatter
         #    (skipped by the whole node when its records already doom the call).
@@ -233,27 +244,64 @@ class HierarchicalExchange:
         worker_scales = self._agree(s, node, self._node_safe(s, f))
         if numel == 0:
             return None
-        bits, recv_bits, server, got = buf["bits"], buf["recv_bits"], buf["server"], buf["got"]
-        kernels.pack_compensated_(z, s, e, bits)
-        cross.all_to_all(recv_bits, bits.view(K, M8))
-        t = kernels.server_reduce_(recv_bits, worker_scales, f, server[:M8])
-        server[M8:].copy_(t.reshape(1).view(torch.uint8))
-        cross.all_gather(got, server)
-        t2 = time.perf_counter()
-
-        # 3. inside the node: the 1-bit result of every slice (K chunks of signs, then K scales),
-        #    forwarded as received: these are exactly the signs of y = t·sgn (t = 0 only when
-        #    c_s is all zeros, whose signs are all + by SPEC §1's sgn).
-        row, gathered = buf["row"], buf["gathered"]
-        row[: S // 8].view(K, M8).copy_(got[:, :M8])
-        row[S // 8 :].copy_(got[:, M8:].reshape(-1))
-        local.all_gather(gathered, row)
-        all_bits = gathered[:, : S // 8].contiguous().view(L * K, M8)
-        all_scales = gathered[:, S // 8 :].contiguous().view(torch.float32).view(L * K)
-        kernels.unpack_scaled_(all_bits, all_scales, tensor)
+        if stages > 1:
+            t2 = self._staged_cross(tensor, z, s, worker_scales, e, f, kernels, stages)
+        else:  # one stage: the server scale rides with its signs, one local gather
+            bits, recv_bits, server, got = buf["bits"], buf["recv_bits"], buf["server"], buf["got"]
+            kernels.pack_compensated_(z, s, e, bits)
+            cross.all_to_all(recv_bits, bits.view(K, M8))
+            t = kernels.server_reduce_(recv_bits, worker_scales, f, server[:M8])
+            server[M8:].copy_(t.reshape(1).view(torch.uint8))
+            cross.all_gather(got, server)
+            t2 = time.perf_counter()
+            # 3. inside the node: the 1-bit result of every slice (K chunks of signs, then K
+            #    scales), forwarded as received: exactly the signs of y = t·sgn (t = 0 only when
+            #    c_s is all zeros, whose signs are all + by SPEC §1's sgn).
+            row, gathered = buf["row"], buf["gathered"]
+            row[: S // 8].view(K, M8).copy_(got[:, :M8])
+            row[S // 8 :].copy_(got[:, M8:].reshape(-1))
+            local.all_gather(gathered, row)
+            all_bits = gathered[:, : S // 8].contiguous().view(L * K, M8)
+            all_scales = gathered[:, S // 8 :].contiguous().view(torch.float32).view(L * K)
+            kernels.unpack_scaled_(all_bits, all_scales, tensor)
         t3 = time.perf_counter()
         self.phase_seconds = {"local_reduce": t1 - t0, "cross": t2 - t1, "local_gather": t3 - t2}
         return s
+
+    def _staged_cross(
+        self,
+        tensor: torch.Tensor,
+        z: torch.Tensor,
+        s: torch.Tensor,
+        worker_scales: torch.Tensor,
+        e: torch.Tensor,
+        f: torch.Tensor,
+        kernels: Kernels,
+        stages: int,
+    ) -> float:
+        """Steps 2–3 in ``stages`` stages (the class docstring); returns when the last left."""
+        local, cross = self.local_backend, self.cross_backend
+        assert local is not None and cross is not None
+        L, K = self.local_size, self.num_nodes
+        S, numel = z.numel(), tensor.numel()
+        chunk = S // K
+        server_scales, arrivals = staged_server(cross, kernels, z, s, e, worker_scales, f, stages)
+        scales = torch.empty(L * K, dtype=torch.float32, device=z.device)
+        local.all_gather(scales, server_scales)  # row l: local rank l's cross group's K scales
+        t2 = time.perf_counter()
+        for lo, hi, signs, done, _sent in arrivals:
+            done.wait()
+            m8 = (hi - lo) // 8
+            gathered = torch.empty(L, K * m8, dtype=torch.uint8, device=z.device)
+            local.all_gather(gathered, signs.view(-1))
+            for r, bits in enumerate(gathered.view(L * K, m8)):  # r = l·K + i: slice l, chunk i
+                a = (r // K) * S + (r % K) * chunk + lo
+                if a >= numel:
+                    break
+                kernels.unpack_scaled_(
+                    bits.view(1, m8), scales[r : r + 1], tensor[a : min(a + hi - lo, numel)]
+                )
+        return t2
 
     # -- helpers -------------------------------------------------------------------------------
     def _node_records(self, tensor: torch.Tensor) -> list[tuple[bool, int]]:

@@ -10,6 +10,9 @@ L ranks, times these methods interleaved round by round (machine noise hits ever
   ``dist.new_group``; ``mpi`` = ``MPI.COMM_WORLD.Split``; under mpirun with the ``sm`` BTL, MPI
   moves the local level through shared memory; ``shm`` = :class:`~commopt.comm.shm_backend.
   SharedMemoryBackend`, one /dev/shm segment per node with the node's gloo group for barriers);
+- a ``-pK`` suffix on ``flat-*`` or ``hier-*`` (``flat-torch-p1``, ``hier-shm-torch-p4``): the
+  exchange built with ``pipeline=K`` (:mod:`commopt.pipelined`); without it, the default
+  (``None``: 4 stages at 16M elements);
 - ``fp32-torch`` / ``fp32-mpi``: a dense all_reduce of the fp32 buffer (what DDP sends);
 - ``tiny-global`` / ``tiny-local``: one 16-byte gloo all-gather over all ranks / inside the node,
   the fixed cost α of one collective (latency and, on a loaded machine, scheduling).
@@ -114,13 +117,16 @@ def main(argv: list[str] | None = None) -> int:
     calls: dict[str, Callable[[], None]] = {}
     for m in chosen:
         kind, *engines = m.split("-")
+        pipeline = None
+        if kind in ("flat", "hier") and engines[-1][:1] == "p" and engines[-1][1:].isdigit():
+            pipeline = int(engines.pop()[1:])
         if kind == "flat":
-            ex = FlatExchange(glob[engines[0]])
+            ex = FlatExchange(glob[engines[0]], pipeline=pipeline)
             counted = [ex.backend]
         elif kind == "hier":
             local, cross = levels[engines[0]][0], levels[engines[1]][1]
             ex = HierarchicalExchange(
-                glob[engines[1]], topo, local_backend=local, cross_backend=cross
+                glob[engines[1]], topo, local_backend=local, cross_backend=cross, pipeline=pipeline
             )
             counted = [cross, local]
         elif kind == "tiny":

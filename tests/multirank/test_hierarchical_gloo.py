@@ -231,6 +231,62 @@ def test_bit_identical_to_the_composed_exchange(shared_memory: bool) -> None:
         assert mismatches == []
 
 
+# -- in stages: the same bits, the same bytes ----------------------------------------------------
+# Long enough for several 4096-element stages per cross server chunk (S/K = padded/4): 3 stages
+# with a short last one and the zero pad; 4 whole ones.
+STAGED_LENGTHS = [3 * 4 * 4096 - 13, 4 * 4 * 4096]
+
+
+def _call_counting_bytes(ex: HierarchicalExchange, x: torch.Tensor, state: dict) -> list[int]:
+    """``ex.allreduce_(x, state)``; the bytes this rank sent on the cross and the local level."""
+    levels = (ex.cross_backend, ex.local_backend)
+    before = [b.stats.snapshot() for b in levels]
+    ex.allreduce_(x, state)
+    return [(b.stats - s).bytes_sent for b, s in zip(levels, before, strict=True)]
+
+
+def _staged_against_one_stage(backend, shared_memory: bool, stages: int):
+    env = torchrun_env(backend.rank, 2)
+    exchanges = [
+        build_exchange(backend, "hierarchical", env=env, shared_memory=shared_memory, pipeline=p)
+        for p in (stages, 1)
+    ]
+    mismatches, sent = [], []
+    for length in STAGED_LENGTHS:
+        staged = {k: torch.zeros(v) for k, v in exchanges[0].state_numels(length).items()}
+        single = {k: v.clone() for k, v in staged.items()}
+        for call in range(CALLS + 1):
+            x = _inputs(backend.rank, call, length) * (call > 0)  # call 0: s = t = 0
+            y_staged, y_single = x.clone(), x.clone()
+            sent.append(
+                (
+                    _call_counting_bytes(exchanges[0], y_staged, staged),
+                    _call_counting_bytes(exchanges[1], y_single, single),
+                )
+            )
+            for what, a, b in (
+                ("y", y_staged, y_single),
+                *((k, staged[k], single[k]) for k in staged),
+            ):
+                if not torch.equal(a.view(torch.int32), b.view(torch.int32)):
+                    mismatches.append(f"{what} L={length} call={call}")
+    return mismatches, sent, set(exchanges[0].phase_seconds)
+
+
+@pytest.mark.parametrize(("shared_memory", "stages"), [(False, 3), (True, 3), (True, 4)])
+def test_in_stages_bit_identical_to_one_stage(shared_memory: bool, stages: int) -> None:
+    """``pipeline=k`` (the cross level in k stages, each gathered inside the node and unpacked
+    as it arrives) gives the bits of one stage in y, e and f, and sends the same bytes on each
+    level."""
+    for mismatches, sent, phases in run_ranks(
+        _staged_against_one_stage, 4, shared_memory, stages, timeout=TIMEOUT
+    ):
+        assert mismatches == []
+        assert phases == {"local_reduce", "cross", "local_gather"}
+        for staged, single in sent:
+            assert staged == single
+
+
 def test_error_feedback_makes_the_running_mean_unbiased() -> None:
     """Over repeated calls on fixed inputs the running mean approaches the true average.
 

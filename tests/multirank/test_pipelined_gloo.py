@@ -17,6 +17,8 @@ import pytest
 import torch
 
 from commopt import NonFiniteError, compressed_allreduce, padded_size
+from commopt.comm import SingleProcessBackend
+from commopt.exchange import FlatExchange, HierarchicalExchange
 from commopt.kernels import TorchKernels, get_kernels, use_kernels
 from commopt.pipelined import ALIGN, MAX_STAGES, MIN_STAGE, auto_stages, stage_ranges
 from tests.multirank.harness import run_ranks
@@ -195,3 +197,11 @@ def _bad_pipeline(backend) -> list[str]:
 def test_bad_pipeline_argument_is_refused() -> None:
     for msgs in run_ranks(_bad_pipeline, 2, timeout=TIMEOUT):
         assert len(msgs) == 3 and all("stage count >= 1" in m for m in msgs)
+
+
+def test_the_exchanges_refuse_a_bad_pipeline_argument_when_built() -> None:
+    for bad in (0, -1, True):
+        with pytest.raises(ValueError, match=f"stage count >= 1 or None, got {bad!r}"):
+            FlatExchange(SingleProcessBackend(), pipeline=bad)
+        with pytest.raises(ValueError, match=f"stage count >= 1 or None, got {bad!r}"):
+            HierarchicalExchange(SingleProcessBackend(), pipeline=bad)
