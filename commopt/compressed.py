@@ -215,9 +215,10 @@ def compressed_allreduce_and_scale(
     stages = pipelined.auto_stages(padded, n) if pipeline is None else pipeline
     if stages > 1:
         # 4–9 in stages, transfers overlapping the per-element work (commopt.pipelined).
-        pipelined.staged_exchange(
-            be, kernels, x, s, worker_error, worker_scales, server_error, y, stages
+        server_scales, arrivals = pipelined.staged_server(
+            be, kernels, x, s, worker_error, worker_scales, server_error, stages
         )
+        pipelined.unpack_arrivals_(kernels, arrivals, server_scales, server_error.numel(), y)
     else:
         # 4. e ← c − s·sgn(c); signs packed MSB first, chunk j for rank j.
         bits = torch.empty(padded // 8, dtype=torch.uint8, device=x.device)

@@ -52,8 +52,8 @@ __all__ = [
     "auto_stages",
     "check_stages",
     "stage_ranges",
-    "staged_exchange",
     "staged_server",
+    "unpack_arrivals_",
 ]
 
 # Stage boundaries within a server chunk fall on multiples of this many elements: whole bytes of
@@ -143,7 +143,7 @@ def staged_server(
     ``x`` is this rank's flat fp32 buffer (at most N elements: the rest is the zero pad), ``s``
     its agreed worker scale and ``worker_scales`` everyone's; e (N) and f (N/n) are updated in
     place. Returns the n server scales (arrived) and the stages' server signs, still on the
-    wire, in stage order: whoever consumes them (:func:`staged_exchange` unpacks them; the
+    wire, in stage order: whoever consumes them (:func:`unpack_arrivals_` unpacks them; the
     hierarchical exchange forwards them inside the node first) overlaps that work with the
     later stages' transfers.
     """
@@ -190,30 +190,20 @@ def staged_server(
     return server_scales, arrivals
 
 
-def staged_exchange(
-    be: Backend,
+def unpack_arrivals_(
     kernels: Kernels,
-    x: torch.Tensor,
-    s: torch.Tensor,
-    worker_error: torch.Tensor,
-    worker_scales: torch.Tensor,
-    server_error: torch.Tensor,
+    arrivals: list[Arrival],
+    server_scales: torch.Tensor,
+    chunk: int,
     y: torch.Tensor,
-    stages: int,
 ) -> None:
-    """SPEC §1 steps 4–9 in ``stages`` stages (see the module docstring).
-
-    :func:`staged_server`, then step 5: y = t_j·sgn for range k of every chunk j, unpacked as
-    stage k arrives. y (as many elements as x, may share x's memory: every read of x happens
-    before the first write of y) receives the result.
-    """
-    server_scales, arrivals = staged_server(
-        be, kernels, x, s, worker_error, worker_scales, server_error, stages
-    )
-    chunk, numel = server_error.numel(), y.numel()
+    """Step 5 of the module docstring (SPEC §1 step 9): y = t_j·sgn for range k of every server
+    chunk j (``chunk`` elements each), unpacked as stage k arrives; y's tail past its length is
+    the pad and is skipped. y may share :func:`staged_server`'s x: every read of x is done."""
+    numel = y.numel()
     for lo, hi, gathered, done, _sent in arrivals:
         done.wait()
-        for j in range(be.world_size):
+        for j in range(server_scales.numel()):
             a = j * chunk + lo
             if a >= numel:
                 break
