@@ -17,6 +17,10 @@ range may be shorter), and range k of *every* chunk forms stage k:
 5. worker: as stage k's signs arrive, unpack them into the output; the unpacking of stage k
    runs while stages k+1 … are on the wire.
 
+Steps 1–4 are :func:`staged_server`, step 5 :func:`unpack_arrivals_`; the hierarchical exchange
+runs steps 1–4 on its cross level and, for step 5, gathers each stage inside the node first
+(:mod:`commopt.exchange.hierarchical`).
+
 Same bytes, same results. Every element goes through the same fp32 operations as unpipelined;
 the scales are the same norms over the same elements (the numba and CuPy kernels keep per-block
 sums of squares and add them in the unpipelined order; see ``ServerStages``); and the bytes a rank
