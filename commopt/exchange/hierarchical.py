@@ -209,8 +209,8 @@ class HierarchicalExchange:
                     f"(state_numels({numel})), got {buf.numel()} {buf.dtype} on {buf.device}"
                 )
         kernels = get_kernels(tensor.device)
-        buf = self._buffers(numel, padded, tensor.device)
         stages = self.pipeline or auto_stages(padded, self.backend.world_size)
+        buf = self._buffers(numel, padded, tensor.device, stages)
 
         # 0. inside the node, every local rank's (finite?, numel); 1. the local reduce-scatter
         #    (skipped by the whole node when its records already doom the call).
@@ -363,29 +363,32 @@ class HierarchicalExchange:
             raise NonFiniteError(unsafe, overflow=True)
         return table[:, 0].to(torch.float32)
 
-    def _buffers(self, numel: int, padded: int, device: torch.device) -> dict[str, Any]:
-        """Scratch per bucket size, kept between calls (the pad tail of ``send`` is zeroed once
-        and never written: only [:numel] is copied in)."""
+    def _buffers(
+        self, numel: int, padded: int, device: torch.device, stages: int
+    ) -> dict[str, Any]:
+        """Scratch per bucket size, kept between calls (``send``'s pad tail is zeroed once, never
+        written); steps 2–3's byte buffers only for one stage (in stages each has its own)."""
         if numel not in self._scratch or self._scratch[numel]["z"].device != device:
             L, K = self.local_size, self.num_nodes
             S = padded // L
             row_bytes = S // 8 + 4 * K
             u8 = {"dtype": torch.uint8, "device": device}
             shared = hasattr(self.local_backend, "reduce_scatter_mean_")
-            recv = None if shared else torch.empty(L, S, device=device)
-            self._scratch[numel] = {
-                "send": torch.zeros(padded, device=device)
-                if padded != numel and not shared
-                else None,
-                "recv": recv,
+            scratch = {
+                "send": None if shared or padded == numel else torch.zeros(padded, device=device),
+                "recv": None if shared else torch.empty(L, S, device=device),
                 "z": torch.empty(S, device=device),
-                "bits": torch.empty(S // 8, **u8),
-                "recv_bits": torch.empty(K, S // (8 * K), **u8),
-                "server": torch.empty(S // (8 * K) + 4, **u8),
-                "got": torch.empty(K, S // (8 * K) + 4, **u8),
-                "row": torch.empty(row_bytes, **u8),
-                "gathered": torch.empty(L, row_bytes, **u8),
             }
+            if stages == 1:
+                scratch.update(
+                    bits=torch.empty(S // 8, **u8),
+                    recv_bits=torch.empty(K, S // (8 * K), **u8),
+                    server=torch.empty(S // (8 * K) + 4, **u8),
+                    got=torch.empty(K, S // (8 * K) + 4, **u8),
+                    row=torch.empty(row_bytes, **u8),
+                    gathered=torch.empty(L, row_bytes, **u8),
+                )
+            self._scratch[numel] = scratch
         return self._scratch[numel]
 
     def __repr__(self) -> str:
