@@ -1,7 +1,8 @@
 """commopt: communication-compressed, error-compensated optimizers for slow networks.
 
 1-bit Adam, 1-bit LAMB and 0/1 Adam as drop-in ``torch.optim`` optimizers that own their
-gradient communication, on torch.distributed (NCCL/gloo) or MPI.
+gradient communication, on torch.distributed (NCCL/gloo) or MPI; and DiLoCo, an outer loop
+whose rare pseudo-gradient average travels through the same 1-bit exchange.
 """
 
 from commopt import ddp
@@ -9,6 +10,7 @@ from commopt._version import __version__ as __version__
 from commopt.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from commopt.comm import Backend, MixedBackend, MpiBackend, SingleProcessBackend, TorchBackend
 from commopt.compressed import NonFiniteError, compressed_allreduce, padded_size
+from commopt.diloco import DiLoCo
 from commopt.deepspeed_compat import from_deepspeed_config, to_deepspeed_config
 from commopt.faults import CollectiveError, watch
 from commopt.launch import (
@@ -27,6 +29,7 @@ __all__ = [
     "Backend",
     "CheckpointError",
     "CollectiveError",
+    "DiLoCo",
     "MixedBackend",
     "MpiBackend",
     "NonFiniteError",

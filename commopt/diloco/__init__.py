@@ -1,0 +1,17 @@
+r"""DiLoCo: communicate rarely, then at one bit.
+
+:class:`DiLoCo` wraps any inner optimizer: H local steps, then the pseudo-gradient (the
+weights at the last sync minus the weights now) is averaged across the workers and an outer
+SGD step moves the shared anchor. The average is fp32, bf16, or SPEC §1's error-compensated
+1-bit exchange with its errors kept from sync to sync (docs/algorithms/diloco.md).
+
+The package: :mod:`~commopt.diloco.outer` (the loop), :mod:`~commopt.diloco.averages` (the
+three averages), :mod:`~commopt.diloco.fragments` (streaming: the parameters in fragments with
+staggered syncs), :mod:`~commopt.diloco.agreement` (the ranks agree on the settings),
+:mod:`~commopt.diloco.checkpointing` (the state dict).
+"""
+
+from commopt.diloco.averages import COMPRESSIONS
+from commopt.diloco.outer import OUTER_DEFAULTS, DiLoCo, Progress
+
+__all__ = ["COMPRESSIONS", "OUTER_DEFAULTS", "DiLoCo", "Progress"]

@@ -1,0 +1,154 @@
+r"""How the workers average a pseudo-gradient: fp32, bf16, or the error-compensated 1-bit exchange.
+
+Each average replaces a 1-D fp32 buffer Δ (this worker's pseudo-gradient, L elements) by
+(1/n)·Σ_r Δ_r, bit-identical on every rank, or raises
+:class:`~commopt.compressed.NonFiniteError` on every rank, before any state has changed, when
+some rank's Δ holds inf/NaN. Persistent per-rank state (the 1-bit exchange's error buffers) is
+named by ``state_numels(L)`` and kept by the caller, as the optimizers keep theirs.
+
+=========== ======================================================= ===========================
+name        what travels (bytes one rank sends, ring cost model)     state per rank
+=========== ======================================================= ===========================
+``"none"``  fp32 all-reduce: 2·(n−1)/n·4L                           none
+``"bf16"``  bf16 reduce-scatter (all-to-all) summed in fp32, then   none
+            a bf16 all-gather: 2·(n−1)/n·2L
+``"onebit"`` SPEC §1 (flat) or the hierarchical exchange:           worker and server errors
+            ≈ 2·(n−1)/n·L/8
+=========== ======================================================= ===========================
+
+``"bf16"`` rounds each rank's Δ to bf16 once, sums the n rounded values in fp32 in rank order
+on the rank that owns the slice, and rounds the mean to bf16 once more; every rank then holds
+the owner's bits. An all-reduce *in* bf16 would instead round after every partial sum.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from commopt.comm import Backend
+from commopt.compressed import NonFiniteError
+from commopt.exchange import Exchange
+
+__all__ = [
+    "COMPRESSIONS",
+    "Bf16Average",
+    "Fp32Average",
+    "OnebitAverage",
+    "PseudoGradientAverage",
+    "check_finite",
+]
+
+#: the compressions :class:`~commopt.diloco.DiLoCo` accepts
+COMPRESSIONS = ("onebit", "none", "bf16")
+
+
+class PseudoGradientAverage(Protocol):
+    """The contract between :class:`~commopt.diloco.DiLoCo` and one way of averaging Δ."""
+
+    name: str
+    #: every backend the average communicates on, by level: ``"global"``, and for a
+    #: hierarchical exchange ``"local"`` (inside a node) and ``"cross"`` (between nodes)
+    backends: dict[str, Backend]
+
+    def state_numels(self, numel: int) -> dict[str, int]:
+        """Per-rank fp32 buffers (name → element count) for a Δ of ``numel`` elements."""
+        ...
+
+    def average_(self, delta: torch.Tensor, state: dict[str, torch.Tensor]) -> None:
+        """Replace ``delta`` (1-D fp32) by the mean over ranks, in place; ``state`` updated."""
+        ...
+
+
+def check_finite(backend: Backend, delta: torch.Tensor) -> None:
+    """Raise :class:`NonFiniteError` on every rank, naming the ranks, unless every rank's
+    ``delta`` is finite (one all-gather of n flags)."""
+    ok = bool(torch.isfinite(delta).all())
+    n = backend.world_size
+    if n == 1:
+        bad = [] if ok else [0]
+    else:
+        flags = torch.empty(n, dtype=torch.int32, device=delta.device)
+        backend.all_gather(
+            flags, torch.tensor([int(not ok)], dtype=torch.int32, device=delta.device)
+        )
+        bad = [r for r, f in enumerate(flags.tolist()) if f]
+    if bad:
+        raise NonFiniteError(bad)
+
+
+class Fp32Average:
+    """Δ ← (1/n)·Σ Δ_r by one fp32 all-reduce: DiLoCo as published (Douillard et al., 2023)."""
+
+    name = "none"
+
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+        self.backends = {"global": backend}
+
+    def state_numels(self, numel: int) -> dict[str, int]:
+        return {}
+
+    def average_(self, delta: torch.Tensor, state: dict[str, torch.Tensor]) -> None:
+        check_finite(self.backend, delta)
+        if self.backend.world_size > 1:
+            self.backend.all_reduce(delta, "avg")
+
+
+class Bf16Average:
+    r"""Δ ← bf16((1/n)·Σ_r bf16(Δ_r)), the sum in fp32 (module docstring).
+
+    With N = L rounded up to a multiple of n and S = N/n, rank j owns slice j: one all-to-all of
+    the bf16 slices (row r of what rank j receives is rank r's slice j), the fp32 sum over r in
+    rank order, the mean rounded to bf16, one all-gather of the n bf16 slices. The bf16 tensors
+    travel as bytes, which every backend moves.
+    """
+
+    name = "bf16"
+
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+        self.backends = {"global": backend}
+
+    def state_numels(self, numel: int) -> dict[str, int]:
+        return {}
+
+    def average_(self, delta: torch.Tensor, state: dict[str, torch.Tensor]) -> None:
+        be, n, numel = self.backend, self.backend.world_size, delta.numel()
+        check_finite(be, delta)
+        if n == 1:
+            delta.copy_(delta.to(torch.bfloat16))
+            return
+        slice_numel = -(-numel // n)
+        mine = torch.zeros(n * slice_numel, dtype=torch.bfloat16, device=delta.device)
+        mine[:numel].copy_(delta)
+        rows = torch.empty_like(mine)
+        be.all_to_all(rows.view(torch.uint8), mine.view(torch.uint8))
+        total = rows.view(n, slice_numel).float().sum(dim=0)  # rank order, in fp32
+        own = total.div_(n).to(torch.bfloat16)
+        gathered = torch.empty_like(mine)
+        be.all_gather(gathered.view(torch.uint8), own.view(torch.uint8))
+        delta.copy_(gathered[:numel])
+
+
+class OnebitAverage:
+    """Δ through a 1-bit :class:`~commopt.exchange.Exchange` (SPEC §1, flat or hierarchical):
+    the worker and server errors persist per rank from one sync to the next, so what one sync's
+    signs fail to say is sent at the next."""
+
+    name = "onebit"
+
+    def __init__(self, exchange: Exchange) -> None:
+        self.exchange = exchange
+        self.backends = {"global": exchange.backend}
+        for level in ("local", "cross"):
+            be = getattr(exchange, f"{level}_backend", None)
+            if be is not None:
+                self.backends[level] = be
+
+    def state_numels(self, numel: int) -> dict[str, int]:
+        return self.exchange.state_numels(numel)
+
+    def average_(self, delta: torch.Tensor, state: dict[str, torch.Tensor]) -> None:
+        self.exchange.allreduce_(delta, state)

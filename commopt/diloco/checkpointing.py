@@ -1,0 +1,175 @@
+r""":class:`~commopt.diloco.DiLoCo`'s state dict: what it holds and how it is checked on load.
+
+Layout (torch's, so :func:`commopt.save_checkpoint` splits it like any optimizer's)::
+
+    "state":        {index: {inner optimizer's keys..., "diloco_anchor": θ̄ of that parameter,
+                             "diloco_outer_momentum": b (only with outer momentum)}}
+    "param_groups": the inner optimizer's
+    "commopt":      this rank's part: {"kind": "diloco", "world_size", "rank", "layout" (the
+                    average and its exchange), "settings", "step", "syncs", "bytes",
+                    "buckets": [the error buffers of each fragment], "pending": [a delayed
+                    sync in flight: its fragment, the step it is applied after, its average],
+                    "inner": the inner optimizer's own "commopt" part, if it has one}
+
+The anchors are identical on every rank (so a checkpoint writes them once); the inner state and
+the error buffers are per rank. ``"buckets": []`` (what :func:`commopt.load_checkpoint` passes
+at another world size) restores zero error buffers. Loading checks everything first and changes
+nothing when it refuses: a ``ValueError`` names what does not fit.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import warnings
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from commopt.diloco.outer import DiLoCo
+
+__all__ = ["load_state_dict", "state_dict"]
+
+_ANCHOR, _MOMENTUM = "diloco_anchor", "diloco_outer_momentum"
+
+
+def _layout(opt: DiLoCo) -> str:
+    exchange = getattr(opt.average, "exchange", None)
+    return opt.average.name + (f":{exchange.name}" if exchange is not None else "")
+
+
+def _indices(opt: DiLoCo) -> dict[int, int]:
+    """id(parameter) → its index in the inner optimizer's state dict (param_groups order)."""
+    params = [p for g in opt.inner.param_groups for p in g["params"]]
+    return {id(p): i for i, p in enumerate(params)}
+
+
+def state_dict(opt: DiLoCo) -> dict[str, Any]:
+    """The state dict of ``opt`` (module docstring); waits for a delayed sync in flight."""
+    pending = [
+        {"fragment": p, "apply_at": at, "average": future.result().clone()}
+        for p, (future, at) in sorted(opt.progress.pending.items())
+    ]
+    inner = opt.inner.state_dict()
+    index = _indices(opt)
+    state = {k: dict(v) for k, v in inner["state"].items()}
+    for frag in opt.parts:
+        moms = frag.views(frag.momentum) if frag.momentum is not None else None
+        for j, (p, anchor) in enumerate(zip(frag.params, frag.views(frag.anchor), strict=True)):
+            entry = state.setdefault(index[id(p)], {})
+            entry[_ANCHOR] = anchor
+            if moms is not None:
+                entry[_MOMENTUM] = moms[j]
+    comm = {
+        "kind": "diloco",
+        "world_size": opt.backend.world_size,
+        "rank": opt.backend.rank,
+        "layout": _layout(opt),
+        "settings": opt.settings(),
+        "step": opt.progress.step,
+        "syncs": opt.progress.syncs,
+        "bytes": dict(opt.progress.bytes),
+        "buckets": [dict(frag.state) for frag in opt.parts],
+        "pending": pending,
+        "inner": inner.get("commopt"),
+    }
+    return {"state": state, "param_groups": inner["param_groups"], "commopt": comm}
+
+
+def _check(opt: DiLoCo, sd: dict[str, Any]) -> bool:
+    """Raise ``ValueError`` unless ``sd`` fits ``opt``; returns whether the saved error buffers
+    are to be restored (False: reset to zero, with a warning where that is news)."""
+    comm = sd.get("commopt") if isinstance(sd, dict) else None
+    if not isinstance(comm, dict) or comm.get("kind") != "diloco":
+        raise ValueError(
+            "DiLoCo.load_state_dict: this is not a DiLoCo state dict (no 'commopt' part of kind "
+            "'diloco'); to load the inner optimizer's own state, call opt.inner.load_state_dict"
+        )
+    mine = opt.settings()
+    saved = comm.get("settings", {})
+    differ = [k for k in mine if saved.get(k) != mine[k]]
+    if differ:
+        raise ValueError(
+            "DiLoCo.load_state_dict: the state was saved with other settings: "
+            + "; ".join(f"{k} saved {saved.get(k)}, here {mine[k]}" for k in differ)
+            + " (floats as their bits); build the DiLoCo with the saved settings"
+        )
+    index = _indices(opt)
+    for frag in opt.parts:
+        for p in frag.params:
+            entry = sd["state"].get(index[id(p)], {})
+            for key, needed in ((_ANCHOR, True), (_MOMENTUM, frag.momentum is not None)):
+                t = entry.get(key)
+                if needed and (not isinstance(t, torch.Tensor) or t.shape != p.shape):
+                    raise ValueError(
+                        f"DiLoCo.load_state_dict: parameter {index[id(p)]} has no {key} of shape "
+                        f"{tuple(p.shape)} (got {None if t is None else tuple(t.shape)})"
+                    )
+    for item in comm.get("pending", []):
+        frag = opt.parts[item["fragment"]] if 0 <= item["fragment"] < len(opt.parts) else None
+        if frag is None or item["average"].numel() != frag.numel:
+            raise ValueError("DiLoCo.load_state_dict: a delayed sync does not fit the fragments")
+    buckets = comm.get("buckets", [])
+    if not buckets:
+        return False
+    n = opt.backend.world_size
+    if comm.get("world_size") != n or comm.get("layout") != _layout(opt):
+        warnings.warn(
+            f"DiLoCo.load_state_dict: the error buffers were saved for {comm.get('layout')!r} "
+            f"at world size {comm.get('world_size')}, this is {_layout(opt)!r} at {n}: they "
+            "are reset to zero",
+            stacklevel=3,
+        )
+        return False
+    for p, (frag, saved_state) in enumerate(zip(opt.parts, buckets, strict=False)):
+        sizes = {k: v.numel() for k, v in saved_state.items()}
+        if len(buckets) != len(opt.parts) or sizes != {k: v.numel() for k, v in frag.state.items()}:
+            raise ValueError(
+                f"DiLoCo.load_state_dict: the error buffers of fragment {p} do not fit "
+                f"(saved {sizes}, here { ({k: v.numel() for k, v in frag.state.items()}) })"
+            )
+    return True
+
+
+def load_state_dict(opt: DiLoCo, sd: dict[str, Any]) -> None:
+    """Restore ``sd`` into ``opt`` (module docstring)."""
+    restore_errors = _check(opt, sd)
+    for future, _ in opt.progress.pending.values():  # nothing may write the buffers meanwhile
+        concurrent.futures.wait([future])
+    comm = sd["commopt"]
+    inner_state = {}
+    for k, entry in sd["state"].items():
+        kept = {key: v for key, v in entry.items() if key not in (_ANCHOR, _MOMENTUM)}
+        if kept:
+            inner_state[k] = kept
+    inner: dict[str, Any] = {"state": inner_state, "param_groups": sd["param_groups"]}
+    if comm.get("inner") is not None:
+        inner["commopt"] = comm["inner"]
+        if not restore_errors:
+            n, r = opt.backend.world_size, opt.backend.rank
+            inner["commopt"] = {**comm["inner"], "world_size": n, "rank": r, "buckets": []}
+    opt.inner.load_state_dict(inner)  # checks its own part before it changes anything
+
+    index = _indices(opt)
+    with torch.no_grad():
+        for p_idx, frag in enumerate(opt.parts):
+            for j, (p, anchor) in enumerate(zip(frag.params, frag.views(frag.anchor), strict=True)):
+                entry = sd["state"][index[id(p)]]
+                anchor.copy_(entry[_ANCHOR])
+                if frag.momentum is not None:
+                    frag.views(frag.momentum)[j].copy_(entry[_MOMENTUM])
+            for key, buf in frag.state.items():
+                if restore_errors:
+                    buf.copy_(comm["buckets"][p_idx][key])
+                else:
+                    buf.zero_()
+    opt.progress.step = int(comm["step"])
+    opt.progress.syncs = int(comm.get("syncs", 0))
+    opt.progress.bytes.update(comm.get("bytes", {}))
+    opt.progress.pending.clear()
+    for item in comm.get("pending", []):
+        frag = opt.parts[item["fragment"]]
+        frag.delta.copy_(item["average"])
+        done: concurrent.futures.Future[torch.Tensor] = concurrent.futures.Future()
+        done.set_result(frag.delta)
+        opt.progress.pending[item["fragment"]] = (done, int(item["apply_at"]))

@@ -1,0 +1,376 @@
+r"""DiLoCo whose pseudo-gradient travels at one bit: :class:`DiLoCo`.
+
+Each worker takes H inner steps with its own optimizer and its own data, communicating nothing.
+Then the workers average the pseudo-gradient Δ = θ̄ − θ (the weights at the last sync minus the
+weights now), an outer step moves the anchor θ̄ with the average, and every worker restarts from
+the new anchor (Douillard et al., 2023, arXiv:2311.08105):
+
+.. math::
+
+    Δ̄ = \frac1n\sum_r (θ̄ − θ_r), \qquad
+    b ← μ b + Δ̄, \qquad
+    θ̄ ← θ̄ − η_{out}\,(Δ̄ + μ b) \;\text{(Nesterov)}, \qquad
+    θ_r ← θ̄.
+
+With ``compression="onebit"`` the average is SPEC §1's error-compensated exchange, its worker
+and server errors kept per rank from one sync to the next; the outer default is then plain
+averaging (η_out = 1, μ = 0), where error feedback does the work of the outer momentum
+(docs/algorithms/diloco.md has the experiment behind each default).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import weakref
+from collections.abc import Callable
+from typing import Any, Literal
+
+import torch
+
+from commopt.comm import Backend, resolve_backend
+from commopt.comm.channels import on_channel, open_channel
+from commopt.diloco import checkpointing
+from commopt.diloco.agreement import agree, float_bits
+from commopt.diloco.averages import (
+    COMPRESSIONS,
+    Bf16Average,
+    Fp32Average,
+    OnebitAverage,
+    PseudoGradientAverage,
+)
+from commopt.diloco.fragments import Fragment, first_sync_offsets, split_parameters
+from commopt.exchange import build_exchange, discover_topology
+from commopt.exchange.levels import build_level_backends, wants_shared_memory
+
+__all__ = ["OUTER_DEFAULTS", "DiLoCo", "Progress"]
+
+Compression = Literal["onebit", "none", "bf16"]
+
+
+@dataclasses.dataclass
+class Progress:
+    """Where the outer loop stands: the state :class:`DiLoCo` keeps beside its fragments."""
+
+    step: int = 0
+    """inner steps taken"""
+    syncs: int = 0
+    """fragment averages run"""
+    bytes: dict[str, int] = dataclasses.field(
+        default_factory=lambda: {"sync": 0, "warmup": 0, "local": 0}
+    )
+    """modelled bytes sent, by what sent them (:meth:`DiLoCo.comm_stats`)"""
+    pending: dict[int, tuple[concurrent.futures.Future[torch.Tensor], int]] = dataclasses.field(
+        default_factory=dict
+    )
+    """fragment → (its average in flight, the step after which it is applied)"""
+
+
+#: (outer_lr, outer_momentum) per compression when not given (docs/algorithms/diloco.md)
+OUTER_DEFAULTS: dict[str, tuple[float, float]] = {
+    "onebit": (1.0, 0.0),
+    "none": (1.0, 0.0),
+    "bf16": (1.0, 0.0),
+}
+
+
+class DiLoCo:
+    r"""An outer loop around any ``torch.optim`` optimizer: H local steps, then one averaged
+    outer step (module docstring).
+
+    Usage::
+
+        inner = torch.optim.AdamW(model.parameters(), lr=3e-4)
+        opt = commopt.DiLoCo(inner, sync_every=50)          # collective: every rank builds it
+        for x, y in loader:
+            loss_fn(model(x), y).backward(); opt.step(); opt.zero_grad()
+
+    Building it is collective: the ranks check that they agree on every setting below and on
+    the parameters' sizes (a ``ValueError`` on every rank otherwise), and every rank starts from
+    rank 0's parameters, which become the first anchor. Only parameters with
+    ``requires_grad`` when it is built are synced. Right after each sync the synced parameters
+    are bit-identical on every rank.
+
+    Args:
+        inner: the inner optimizer (``torch.optim.*`` or commopt's own), over the model's
+            parameters; its state stays local to each worker, as in the paper. Attach learning
+            rate schedulers to it.
+        sync_every: H, inner steps between two syncs of a fragment.
+        compression: how Δ is averaged (:mod:`commopt.diloco.averages`): ``"onebit"``
+            (error-compensated 1 bit, ≈ 2 bits per parameter per sync), ``"none"`` (fp32,
+            DiLoCo itself) or ``"bf16"``.
+        outer_lr, outer_momentum: η_out and μ of the outer SGD; ``None``: the compression's
+            entry in :data:`OUTER_DEFAULTS`.
+        nesterov: Nesterov momentum (the paper's) when μ > 0.
+        fragments: P; sync 1/P of the parameters at a time, fragment p at inner steps
+            W + ⌊(p+1)·H/P⌋ + k·H (Streaming DiLoCo). ``1``: all at once.
+        delay: τ; a fragment's average runs on a communication thread while the next τ inner
+            steps compute, and is applied after the τ-th: θ̄ moves as if it had been applied at
+            once, and the fragment's parameters are set to the new θ̄, so the τ inner steps'
+            changes to that fragment are dropped (which keeps replicas identical). Needs
+            τ < H/P. ``0``: applied in the step that computed Δ.
+        warmup_steps: W; the first W steps average gradients across all ranks at fp32 on every
+            step (data parallel, as 1-bit Adam's warmup), and the anchor is taken after step W.
+        topology: ``"flat"``, or ``"hierarchical"``: every step averages gradients inside the
+            node at fp32, so a node is one DiLoCo worker, and the sync crosses nodes through the
+            hierarchical 1-bit exchange (``"none"``/``"bf16"`` average over all ranks).
+        backend: where to communicate; ``None`` resolves as for the optimizers.
+    """
+
+    def __init__(
+        self,
+        inner: torch.optim.Optimizer,
+        *,
+        sync_every: int,
+        compression: Compression = "onebit",
+        outer_lr: float | None = None,
+        outer_momentum: float | None = None,
+        nesterov: bool = True,
+        fragments: int = 1,
+        delay: int = 0,
+        warmup_steps: int = 0,
+        topology: Literal["flat", "hierarchical"] = "flat",
+        backend: Backend | None = None,
+    ) -> None:
+        if not isinstance(inner, torch.optim.Optimizer):
+            raise TypeError(f"inner must be a torch.optim.Optimizer, got {type(inner).__name__}")
+        if compression not in COMPRESSIONS:
+            raise ValueError(f"Invalid compression: {compression!r} (one of {COMPRESSIONS})")
+        if topology not in ("flat", "hierarchical"):
+            raise ValueError(f"Invalid topology: {topology!r} ('flat' or 'hierarchical')")
+        for name, value in (("sync_every", sync_every), ("fragments", fragments)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"Invalid {name}: {value!r} (an integer >= 1)")
+        if fragments > sync_every:
+            raise ValueError(
+                f"fragments={fragments} needs sync_every >= fragments, got {sync_every}"
+            )
+        if not isinstance(warmup_steps, int) or warmup_steps < 0:
+            raise ValueError(f"Invalid warmup_steps: {warmup_steps!r} (an integer >= 0)")
+        if not isinstance(delay, int) or not 0 <= delay < max(1, sync_every // fragments):
+            raise ValueError(
+                f"Invalid delay: {delay!r}; it must be an integer with 0 <= delay < "
+                f"sync_every // fragments = {sync_every // fragments}, so that a fragment's "
+                "average is applied before the next one starts"
+            )
+        lr0, mu0 = OUTER_DEFAULTS[compression]
+        self.outer_lr = float(lr0 if outer_lr is None else outer_lr)
+        self.outer_momentum = float(mu0 if outer_momentum is None else outer_momentum)
+        if not self.outer_lr > 0.0:
+            raise ValueError(f"Invalid outer_lr: {self.outer_lr} (must be > 0)")
+        if not 0.0 <= self.outer_momentum < 1.0:
+            raise ValueError(f"Invalid outer_momentum: {self.outer_momentum} (0 <= μ < 1)")
+        self.inner = inner
+        self.sync_every, self.compression, self.nesterov = sync_every, compression, bool(nesterov)
+        self.fragments, self.delay, self.warmup_steps = fragments, delay, warmup_steps
+        self.topology = topology
+        self.backend = resolve_backend(backend)
+        be = self.backend
+        self._params = [p for g in inner.param_groups for p in g["params"] if p.requires_grad]
+        if not self._params:
+            raise ValueError("DiLoCo: the inner optimizer has no parameter with requires_grad")
+        agree(be, self.settings(), "DiLoCo")
+
+        # The node level: hierarchical islands average every step inside the node, on a group
+        # of their own (never the one a delayed sync may be using on the other thread).
+        self._node_backend: Backend | None = None
+        node_topology = None
+        if topology == "hierarchical":
+            node_topology = discover_topology(be)
+            if node_topology.local_size > 1:
+                shm = wants_shared_memory(be, "auto")
+                self._node_backend = build_level_backends(be, node_topology, shm)[0]
+        self.average = self._build_average(node_topology)
+        #: the fragments, in parameter order (:class:`~commopt.diloco.fragments.Fragment`)
+        self.parts = [
+            Fragment(run, self.average, self.outer_momentum > 0.0)
+            for run in split_parameters(self._params, fragments)
+        ]
+        self._offsets = first_sync_offsets(sync_every, fragments)
+        for frag in self.parts:  # every rank starts from rank 0's weights
+            be.broadcast(frag.gather_params_(frag.anchor), 0)
+            frag.load_params_()
+
+        self.progress = Progress()
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._channel: str | None = None
+        if delay > 0:
+            self._channel, closer = open_channel(be)  # collective, while every rank builds it
+            self._executor = concurrent.futures.ThreadPoolExecutor(1, "commopt-diloco")
+            weakref.finalize(self, _close, self._executor, closer)
+
+    def settings(self) -> dict[str, int]:
+        """Every setting the ranks (and a checkpoint) must agree on, as integers."""
+        return {
+            "sync_every": self.sync_every,
+            "compression": COMPRESSIONS.index(self.compression),
+            "fragments": self.fragments,
+            "delay": self.delay,
+            "warmup_steps": self.warmup_steps,
+            "topology": int(self.topology == "hierarchical"),
+            "outer_lr": float_bits(self.outer_lr),
+            "outer_momentum": float_bits(self.outer_momentum),
+            "nesterov": int(self.nesterov),
+            "parameter tensors": len(self._params),
+            "parameter elements": sum(p.numel() for p in self._params),
+        }
+
+    def _build_average(self, node_topology: Any) -> PseudoGradientAverage:
+        if self.compression == "onebit":
+            kw = {"node_topology": node_topology} if node_topology is not None else {}
+            return OnebitAverage(build_exchange(self.backend, self.topology, **kw))
+        return (Fp32Average if self.compression == "none" else Bf16Average)(self.backend)
+
+    # -- the torch.optim face ---------------------------------------------------------------------
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The inner optimizer's parameter groups."""
+        return self.inner.param_groups
+
+    @property
+    def state(self) -> Any:
+        """The inner optimizer's per-parameter state."""
+        return self.inner.state
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.inner.zero_grad(set_to_none=set_to_none)
+
+    def step(self, closure: Callable[[], float] | None = None) -> Any:
+        """One inner step; then, on the fragments' sync steps, the outer step (module
+        docstring). Collective on sync steps (and on every step during warmup, or with
+        ``topology="hierarchical"``).
+
+        Raises:
+            NonFiniteError: some rank's pseudo-gradient holds inf/NaN; raised on every rank
+                with the anchor, the outer momentum and the error buffers unchanged (the
+                parameters keep their non-finite values: resume from a checkpoint).
+        """
+        t = self.progress.step + 1
+        level = self.backend if t <= self.warmup_steps else self._node_backend
+        if level is not None and closure is not None:
+            user_closure = closure
+
+            def closure() -> Any:
+                loss = user_closure()
+                self._average_gradients(level)
+                return loss
+        elif level is not None:
+            self._average_gradients(level)
+        loss = self.inner.step(closure) if closure is not None else self.inner.step()
+        self.progress.step = t
+        if t == self.warmup_steps:
+            for frag in self.parts:  # identical on every rank after averaged steps
+                frag.gather_params_(frag.anchor)
+        for p, (future, apply_at) in list(self.progress.pending.items()):
+            if apply_at == t:
+                del self.progress.pending[p]
+                self._apply(p, future.result())
+        for p in self._due(t):
+            self._start(p, t)
+        return loss
+
+    def _due(self, t: int) -> list[int]:
+        s = t - self.warmup_steps
+        return [p for p, o in enumerate(self._offsets) if s >= o and (s - o) % self.sync_every == 0]
+
+    def _start(self, p: int, t: int) -> None:
+        frag = self.parts[p]
+        frag.pseudo_gradient()
+        if self._executor is None:
+            self._apply(p, self._average(frag))
+            return
+        future = self._executor.submit(self._average_on_channel, frag)
+        self.progress.pending[p] = (future, t + self.delay)
+
+    def _average_on_channel(self, frag: Fragment) -> torch.Tensor:
+        with on_channel(self._channel):
+            return self._average(frag)
+
+    def _average(self, frag: Fragment) -> torch.Tensor:
+        before = {k: b.stats.snapshot() for k, b in self.average.backends.items()}
+        self.average.average_(frag.delta, frag.state)
+        for level, b in self.average.backends.items():
+            sent = (b.stats.snapshot() - before[level]).bytes_sent
+            self.progress.bytes["local" if level == "local" else "sync"] += sent
+        self.progress.syncs += 1
+        return frag.delta
+
+    def _apply(self, p: int, average: torch.Tensor) -> None:
+        self.parts[p].outer_step_(average, self.outer_lr, self.outer_momentum, self.nesterov)
+
+    @torch.no_grad()
+    def _average_gradients(self, backend: Backend) -> None:
+        """Gradients ← their fp32 mean over ``backend`` (warmup: all ranks; islands: the node)."""
+        grads = [p.grad for p in self._params if p.grad is not None]
+        count = torch.tensor([len(grads), -len(grads)], dtype=torch.int64)
+        backend.all_reduce(count, "max")
+        if int(count[0]) != -int(count[1]):
+            raise ValueError(
+                "DiLoCo: the ranks averaging gradients have gradients for different numbers of "
+                f"parameters (between {-int(count[1])} and {int(count[0])}); every rank must "
+                "produce gradients for the same parameters"
+            )
+        if not grads:
+            return
+        before = backend.stats.snapshot()
+        flat = torch.cat([g.reshape(-1).float() for g in grads])
+        backend.all_reduce(flat, "avg")
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+        sent = (backend.stats.snapshot() - before).bytes_sent
+        self.progress.bytes["warmup" if backend is self.backend else "local"] += sent
+
+    def finish(self) -> None:
+        """Wait for every delayed sync and apply it now (at the end of training, before the last
+        evaluation); afterwards the synced parameters are identical on every rank again."""
+        for p, (future, _) in sorted(self.progress.pending.items()):
+            del self.progress.pending[p]
+            self._apply(p, future.result())
+
+    # -- observability and checkpoints ------------------------------------------------------------
+    def comm_stats(self) -> dict[str, Any]:
+        """What this rank sent (modelled bytes, SPEC §7's cost model).
+
+        ``bytes_sent``: the syncs and the warmup on the global (or cross-node) level;
+        ``local_bytes``: inside the node (``topology="hierarchical"``);
+        ``bits_per_parameter_per_step``: 8·``bytes_sent`` / (synced elements · inner steps).
+        """
+        numel = sum(f.numel for f in self.parts)
+        sent = self.progress.bytes["sync"] + self.progress.bytes["warmup"]
+        return {
+            "steps": self.progress.step,
+            "syncs": self.progress.syncs,
+            "parameters": numel,
+            "bytes_sent": sent,
+            "sync_bytes": self.progress.bytes["sync"],
+            "warmup_bytes": self.progress.bytes["warmup"],
+            "local_bytes": self.progress.bytes["local"],
+            "bits_per_parameter_per_step": 8 * sent / (numel * max(1, self.progress.step)),
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        """The inner state, each synced parameter's anchor (and outer momentum), and in
+        ``"commopt"`` this rank's error buffers, the step and any delayed sync in flight
+        (:mod:`commopt.diloco.checkpointing`; with :func:`commopt.save_checkpoint` the anchors
+        are written once and the error buffers per rank)."""
+        return checkpointing.state_dict(self)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`; everything is checked before anything changes."""
+        checkpointing.load_state_dict(self, state_dict)
+
+    def __repr__(self) -> str:
+        return (
+            f"DiLoCo({type(self.inner).__name__}, sync_every={self.sync_every}, "
+            f"compression={self.compression!r}, outer_lr={self.outer_lr}, "
+            f"outer_momentum={self.outer_momentum}, fragments={self.fragments}, "
+            f"delay={self.delay}, topology={self.topology!r})"
+        )
+
+
+def _close(executor: concurrent.futures.ThreadPoolExecutor, closer: Any) -> None:
+    executor.shutdown(wait=True)
+    if closer is not None:
+        closer()
