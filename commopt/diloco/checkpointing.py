@@ -6,7 +6,7 @@ Layout (torch's, so :func:`commopt.save_checkpoint` splits it like any optimizer
                              "diloco_outer_momentum": b (only with outer momentum)}}
     "param_groups": the inner optimizer's
     "commopt":      this rank's part: {"kind": "diloco", "world_size", "rank", "layout" (the
-                    average and its exchange), "settings", "step", "syncs", "bytes",
+                    average and its exchange), "settings", "step", "syncs", "last_sync", "bytes",
                     "buckets": [the error buffers of each fragment], "pending": [a delayed
                     sync in flight: its fragment, the step it is applied after, its average],
                     "inner": the inner optimizer's own "commopt" part, if it has one}
@@ -68,6 +68,7 @@ def state_dict(opt: DiLoCo) -> dict[str, Any]:
         "settings": opt.settings(),
         "step": opt.progress.step,
         "syncs": opt.progress.syncs,
+        "last_sync": list(opt.progress.last_sync),
         "bytes": dict(opt.progress.bytes),
         "buckets": [dict(frag.state) for frag in opt.parts],
         "pending": pending,
@@ -165,6 +166,7 @@ def load_state_dict(opt: DiLoCo, sd: dict[str, Any]) -> None:
                     buf.zero_()
     opt.progress.step = int(comm["step"])
     opt.progress.syncs = int(comm.get("syncs", 0))
+    opt.progress.last_sync[:] = [int(t) for t in comm["last_sync"]]
     opt.progress.bytes.update(comm.get("bytes", {}))
     opt.progress.pending.clear()
     for item in comm.get("pending", []):

@@ -64,6 +64,8 @@ class Progress:
         default_factory=dict
     )
     """fragment → (its average in flight, the step after which it is applied)"""
+    last_sync: list[int] = dataclasses.field(default_factory=list)
+    """per fragment, the step whose pseudo-gradient was last averaged (the warmup's end: W)"""
 
 
 #: (outer_lr, outer_momentum) per compression when not given (docs/algorithms/diloco.md)
@@ -191,7 +193,7 @@ class DiLoCo:
             be.broadcast(frag.gather_params_(frag.anchor), 0)
             frag.load_params_()
 
-        self.progress = Progress()
+        self.progress = Progress(last_sync=[warmup_steps] * fragments)
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._channel: str | None = None
         if delay > 0:
@@ -275,6 +277,7 @@ class DiLoCo:
 
     def _start(self, p: int, t: int) -> None:
         frag = self.parts[p]
+        self.progress.last_sync[p] = t
         frag.pseudo_gradient()
         if self._executor is None:
             self._apply(p, self._average(frag))
@@ -323,11 +326,19 @@ class DiLoCo:
         self.progress.bytes["warmup" if backend is self.backend else "local"] += sent
 
     def finish(self) -> None:
-        """Wait for every delayed sync and apply it now (at the end of training, before the last
-        evaluation); afterwards the synced parameters are identical on every rank again."""
+        """End of training: apply every delayed sync now, then sync every fragment that has
+        taken inner steps since its last sync (collective). Afterwards all synced parameters
+        are bit-identical on every rank: the one model to evaluate and keep."""
         for p, (future, _) in sorted(self.progress.pending.items()):
             del self.progress.pending[p]
             self._apply(p, future.result())
+        if self.progress.step <= self.warmup_steps:
+            return  # still data parallel: identical already
+        for p, frag in enumerate(self.parts):
+            if self.progress.last_sync[p] != self.progress.step:
+                self.progress.last_sync[p] = self.progress.step
+                frag.pseudo_gradient()
+                self._apply(p, self._average(frag))
 
     # -- observability and checkpoints ------------------------------------------------------------
     def comm_stats(self) -> dict[str, Any]:

@@ -24,6 +24,11 @@ Variants (labels as they appear in every table):
 - ``LAMB``: ``commopt.OnebitLamb`` with ``freeze_step`` larger than the run, i.e. only its
   full-precision warmup stage, which is LAMB (Adam moments, per-tensor trust ratio
   ‖p‖/‖u‖ clipped to [min_coeff, max_coeff], fp32 gradient average every step).
+- ``DiLoCo-C-HK[-PF][-dD][-wW][-nesterov|-plain]``: ``commopt.DiLoCo`` around ``torch.optim.Adam``
+  (the ``Adam`` row's settings, its gradients local), compression C (``none``, ``bf16``,
+  ``onebit``), ``sync_every`` K, F fragments, delay D, W warmup steps; outer step the compression's default, or
+  the paper's Nesterov (lr 0.7, momentum 0.9), or plain averaging (lr 1, no momentum).
+  :func:`is_variant` accepts these labels (they are not in :data:`ALL_VARIANTS`).
 
 Traffic model, the same for every variant: a ring all_reduce of B bytes costs one rank
 2(n−1)/n·B bytes sent (SPEC §7; ``commopt.comm.base.model_bytes``). commopt variants report it
@@ -40,6 +45,7 @@ import multiprocessing as mp
 import os
 import pickle
 import platform
+import re
 import queue as queue_module
 import tempfile
 import time
@@ -64,6 +70,7 @@ __all__ = [
     "Hyper",
     "Setup",
     "describe_machine",
+    "is_variant",
     "launch",
     "make_setup",
     "rank_and_size",
@@ -92,6 +99,40 @@ ALL_VARIANTS = (
     "ZeroOneAdam-syncB",  # phase B with a sync at every step
     "ZeroOneAdam-syncB-overlap",
 )
+
+_DILOCO = re.compile(
+    r"DiLoCo-(?P<c>none|bf16|onebit)-H(?P<h>\d+)(?:-P(?P<p>\d+))?(?:-d(?P<d>\d+))?"
+    r"(?:-w(?P<w>\d+))?(?:-(?P<outer>nesterov|plain))?"
+)
+
+
+def is_variant(label: str) -> bool:
+    """Whether :func:`make_setup` builds ``label``: one of :data:`ALL_VARIANTS` or a DiLoCo
+    label (module docstring)."""
+    return label in ALL_VARIANTS or _DILOCO.fullmatch(label) is not None
+
+
+def _diloco(label: str, model: nn.Module, hp: Hyper, backend: TorchBackend) -> Any:
+    m = _DILOCO.fullmatch(label)
+    assert m is not None
+    outer = {"nesterov": (0.7, 0.9), "plain": (1.0, 0.0)}.get(m["outer"] or "", (None, None))
+    inner = torch.optim.Adam(
+        model.parameters(), lr=hp.lr, betas=hp.betas, weight_decay=hp.weight_decay
+    )
+    opt = commopt.DiLoCo(
+        inner,
+        sync_every=int(m["h"]),
+        compression=m["c"],
+        fragments=int(m["p"] or 1),
+        delay=int(m["d"] or 0),
+        warmup_steps=int(m["w"] or 0),
+        outer_lr=outer[0],
+        outer_momentum=outer[1],
+        backend=backend,
+    )
+    backend.stats.reset()  # the settings' agreement and rank 0's weights are not training traffic
+    return opt
+
 
 # The real all_reduce, captured before any counter is installed: metrics use it directly.
 _ALL_REDUCE = dist.all_reduce
@@ -359,12 +400,15 @@ def make_setup(label: str, model: nn.Module, hp: Hyper) -> Setup:
 
     Every rank must call it with the same arguments; rank 0's weights are broadcast first.
     """
-    if label not in ALL_VARIANTS:
-        raise ValueError(f"unknown variant {label!r}; choose from {list(ALL_VARIANTS)}")
+    if not is_variant(label):
+        raise ValueError(f"unknown variant {label!r}; choose from {list(ALL_VARIANTS)} or DiLoCo")
     backend = TorchBackend()  # a fresh byte counter per variant
     commopt.broadcast_parameters(model, backend=backend)
     backend.stats.reset()
     n = backend.world_size
+    if label.startswith("DiLoCo"):
+        opt = _diloco(label, model, hp, backend)
+        return Setup(label, model, opt, backend, None, average_gradients=False)
     if label in ("DDP-OnebitAdam", "DDP-OnebitAdam-late"):
         late = label.endswith("-late")
         ddp = DistributedDataParallel(model, gradient_as_bucket_view=late)
@@ -480,6 +524,8 @@ def train_on_task(
         setup.step(loss)
         train_time += time.perf_counter() - t0
         losses.append(float(loss.detach()))
+        if step == steps and hasattr(setup.optimizer, "finish"):
+            setup.optimizer.finish()  # DiLoCo: the delayed and the stale fragments synced
         evaluate = step % eval_every == 0 or step == steps
         record(step, task.evaluate(setup.model) if evaluate else None, train_time)
     return losses

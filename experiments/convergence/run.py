@@ -40,6 +40,7 @@ from experiments.common import (
     Hyper,
     Setup,
     describe_machine,
+    is_variant,
     launch,
     make_setup,
     replicas_identical,
@@ -89,9 +90,15 @@ _FIELDS = [
 def parse_variants(parser: argparse.ArgumentParser, value: str) -> list[str]:
     """The comma-separated ``--optimizers`` value as a list; an unknown name is a usage error."""
     variants = [v.strip() for v in value.split(",") if v.strip()]
-    unknown = sorted(set(variants) - set(CONVERGENCE_VARIANTS))
+    unknown = sorted(
+        v for v in variants if v not in CONVERGENCE_VARIANTS and not v.startswith("DiLoCo-")
+    )
+    unknown += sorted(v for v in variants if v.startswith("DiLoCo-") and not is_variant(v))
     if unknown:
-        parser.error(f"unknown optimizer(s) {unknown}; choose from {list(CONVERGENCE_VARIANTS)}")
+        parser.error(
+            f"unknown optimizer(s) {unknown}; choose from {list(CONVERGENCE_VARIANTS)} or a "
+            "DiLoCo label (experiments/common/training.py)"
+        )
     return variants
 
 

@@ -1,0 +1,279 @@
+"""commopt.DiLoCo on forked gloo ranks: the device matrix on CPU, the outer loop against a
+hand-written one (torch's own SGD as the outer optimizer), hierarchical islands, the traffic
+bound at 2, 4 and 8 ranks, non-finite pseudo-gradients, ranks that disagree, and a resume
+through checkpoint files."""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+import torch
+
+import commopt
+from commopt.compressed import padded_size
+from tests.diloco_matrix import check_diloco, run_diloco
+from tests.multirank.harness import RankError, run_ranks
+
+TIMEOUT = 240.0
+H = 5
+
+
+def test_matrix_on_four_gloo_ranks() -> None:
+    check_diloco(run_ranks(run_diloco, 4, timeout=TIMEOUT))
+
+
+def _model(width: int = 20) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(6, width), torch.nn.Tanh(), torch.nn.Linear(width, 3)
+    )
+
+
+def _loss(model: torch.nn.Module, rank: int, step: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    x = torch.randn(16, 6, generator=g) + 0.3 * rank  # every rank its own distribution
+    return ((model(x) - x[:, :3].cos()) ** 2).mean()
+
+
+def _flat(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def _by_hand(backend, compression: str, outer: tuple[float, float], steps: int):
+    """DiLoCo written out: Adam inner steps, Δ = anchor − θ every H steps, averaged by
+    ``compressed_allreduce`` (errors kept) or an fp32 all-reduce, torch.optim.SGD on the anchor."""
+    model = _model()
+    inner = torch.optim.Adam(model.parameters(), lr=1e-2)
+    anchor = torch.nn.Parameter(_flat(model).clone())
+    lr, momentum = outer
+    sgd = torch.optim.SGD([anchor], lr=lr, momentum=momentum, nesterov=momentum > 0)
+    padded = padded_size(anchor.numel(), backend.world_size)
+    e, f = torch.zeros(padded), torch.zeros(padded // backend.world_size)
+    for step in range(1, steps + 1):
+        _loss(model, backend.rank, step).backward()
+        inner.step()
+        inner.zero_grad()
+        if step % H == 0:
+            delta = anchor.detach() - _flat(model)
+            if compression == "onebit":
+                delta = commopt.compressed_allreduce(delta, e, f, backend)
+            else:
+                backend.all_reduce(delta, "avg")
+            anchor.grad = delta
+            sgd.step()
+            with torch.no_grad():  # a copy: vector_to_parameters would alias the anchor
+                torch.nn.utils.vector_to_parameters(anchor.detach().clone(), model.parameters())
+    return _flat(model)
+
+
+def _with_diloco(backend, compression: str, outer: tuple[float, float], steps: int):
+    model = _model()
+    inner = torch.optim.Adam(model.parameters(), lr=1e-2)
+    lr, momentum = outer
+    opt = commopt.DiLoCo(
+        inner, sync_every=H, compression=compression, outer_lr=lr, outer_momentum=momentum
+    )
+    for step in range(1, steps + 1):
+        _loss(model, backend.rank, step).backward()
+        opt.step()
+        opt.zero_grad()
+    return _flat(model)
+
+
+def _both(backend, compression, outer):
+    return _by_hand(backend, compression, outer, 3 * H), _with_diloco(
+        backend, compression, outer, 3 * H
+    )
+
+
+@pytest.mark.parametrize(
+    ("compression", "outer"),
+    [("onebit", (1.0, 0.0)), ("onebit", (0.7, 0.9)), ("none", (0.7, 0.9)), ("none", (1.0, 0.0))],
+)
+def test_equals_the_outer_loop_written_by_hand(compression, outer) -> None:
+    for by_hand, ours in run_ranks(_both, 3, compression, outer, timeout=TIMEOUT):
+        assert torch.equal(by_hand, ours)
+
+
+def _islands(backend):
+    local = 2
+    os.environ.update(
+        LOCAL_RANK=str(backend.rank % local),
+        LOCAL_WORLD_SIZE=str(local),
+        GROUP_RANK=str(backend.rank // local),
+    )
+    digests = []
+    model = _model(width=400)  # large enough that the signs, not the scales, set the bytes
+    opt = commopt.DiLoCo(
+        torch.optim.Adam(model.parameters(), lr=1e-2), sync_every=H, topology="hierarchical"
+    )
+    for step in range(1, 2 * H + 1):
+        _loss(model, backend.rank, step).backward()
+        opt.step()
+        opt.zero_grad()
+        digests.append(_flat(model))
+    node = torch.stack(digests)
+    return node, opt.comm_stats(), type(opt.average.exchange).__name__
+
+
+def test_hierarchical_islands_average_inside_the_node_every_step_and_sync_across() -> None:
+    results = run_ranks(_islands, 4, timeout=TIMEOUT)
+    (a, stats, name), (b, _, _), (c, _, _), (d, _, _) = results
+    assert name == "HierarchicalExchange"
+    assert torch.equal(a, b) and torch.equal(c, d)  # one worker per node, on every step
+    assert not torch.equal(a[H - 2], c[H - 2])  # the two nodes drift apart between syncs
+    for k in (H - 1, 2 * H - 1):  # and are identical right after each sync
+        assert torch.equal(a[k], c[k])
+    assert stats["local_bytes"] > 0 and stats["syncs"] == 2
+    # across nodes each local rank carries half its node's bits, 2·(K−1)/K·(N/L)/8 per sync with
+    # K = L = 2, where the flat exchange's ranks send 2·(n−1)/n·N/8 each: 3× the signs (the
+    # scales and the records of the hierarchical checks add ~60 bytes here)
+    flat = 2 * 3 / 4 * padded_size(stats["parameters"], 4) / 8
+    assert stats["sync_bytes"] / stats["syncs"] < 0.5 * flat
+
+
+def _traffic(backend):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(500, 400)  # 200,400 parameters
+    opt = commopt.DiLoCo(torch.optim.AdamW(model.parameters(), lr=1e-3), sync_every=50)
+    for step in range(1, 101):
+        g = torch.Generator().manual_seed(step + 7 * backend.rank)
+        model(torch.randn(4, 500, generator=g)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return opt.comm_stats()
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_onebit_sends_at_most_two_bits_per_parameter_per_sync_at_any_world_size(world) -> None:
+    stats = run_ranks(_traffic, world, timeout=TIMEOUT)
+    for s in stats:
+        assert s["syncs"] == 2
+        assert s["bits_per_parameter_per_step"] <= 1.05 * 2 / 50, s
+        assert s["bits_per_parameter_per_step"] >= 2 * (world - 1) / world / 50, s
+
+
+def _non_finite(backend, compression, bad_rank):
+    model = _model()
+    opt = commopt.DiLoCo(
+        torch.optim.Adam(model.parameters(), lr=1e-2),
+        sync_every=2,
+        compression=compression,
+        outer_momentum=0.5,
+    )
+    for step in range(1, 3):  # one good sync first
+        _loss(model, backend.rank, step).backward()
+        opt.step()
+        opt.zero_grad()
+    before = [t.clone() for f in opt.parts for t in (f.anchor, f.momentum, *f.state.values())]
+    _loss(model, backend.rank, 3).backward()
+    opt.step()
+    opt.zero_grad()
+    if backend.rank == bad_rank:
+        with torch.no_grad():
+            next(model.parameters())[0, 0] = float("nan")
+    _loss(model, backend.rank, 4).backward()
+    try:
+        opt.step()
+    except commopt.NonFiniteError as err:
+        after = [t for f in opt.parts for t in (f.anchor, f.momentum, *f.state.values())]
+        unchanged = all(torch.equal(x, y) for x, y in zip(before, after, strict=True))
+        return str(err), unchanged
+    return None, None
+
+
+@pytest.mark.parametrize("compression", ["onebit", "none", "bf16"])
+def test_a_non_finite_pseudo_gradient_raises_on_every_rank_and_changes_no_outer_state(
+    compression,
+) -> None:
+    for message, unchanged in run_ranks(_non_finite, 3, compression, 1, timeout=TIMEOUT):
+        assert message is not None and "rank(s) [1]" in message
+        assert unchanged
+
+
+def _disagree(backend):
+    model = _model()
+    every = 10 if backend.rank == 2 else 20
+    commopt.DiLoCo(torch.optim.Adam(model.parameters()), sync_every=every)
+
+
+def test_ranks_built_with_other_settings_get_a_clear_error_not_a_hang() -> None:
+    with pytest.raises(RankError) as caught:
+        run_ranks(_disagree, 3, timeout=60)
+    for message in caught.value.messages:
+        assert message is not None
+        assert "sync_every: rank 0 20, rank 1 20, rank 2 10" in message
+
+
+def _rank0_weights(backend):
+    torch.manual_seed(backend.rank)
+    model = _model() if backend.rank == 0 else torch.nn.Sequential(
+        torch.nn.Linear(6, 20), torch.nn.Tanh(), torch.nn.Linear(20, 3)
+    )
+    commopt.DiLoCo(torch.optim.Adam(model.parameters()), sync_every=4)
+    return _flat(model)
+
+
+def test_every_rank_starts_from_rank_0s_weights() -> None:
+    results = run_ranks(_rank0_weights, 3, timeout=TIMEOUT)
+    assert all(torch.equal(r, _flat(_model())) for r in results)
+
+
+def _files(backend, path, delay):
+    def build():
+        model = _model()
+        inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        return model, commopt.DiLoCo(inner, sync_every=4, fragments=2, delay=delay)
+
+    def train(model, opt, steps):
+        for step in steps:
+            _loss(model, backend.rank, step).backward()
+            opt.step()
+            opt.zero_grad()
+
+    model, opt = build()
+    train(model, opt, range(1, 17))
+    opt.finish()
+    whole = _flat(model)
+    model, opt = build()
+    train(model, opt, range(1, 8))  # fragment 1 synced at 4, fragment 0 at 6: mid-interval
+    commopt.save_checkpoint(path, model, opt, step=7)
+    model, opt = build()
+    extra = commopt.load_checkpoint(path, model, opt)
+    train(model, opt, range(extra["step"] + 1, 17))
+    opt.finish()
+    return torch.equal(_flat(model), whole)
+
+
+@pytest.mark.parametrize("delay", [0, 1])
+def test_a_resume_from_checkpoint_files_mid_interval_is_bit_exact(tmp_path, delay) -> None:
+    assert all(run_ranks(_files, 2, str(tmp_path / "ckpt"), delay, timeout=TIMEOUT))
+
+
+def _other_world(backend, path):
+    model = _model()
+    opt = commopt.DiLoCo(torch.optim.AdamW(model.parameters(), lr=1e-2), sync_every=4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        commopt.load_checkpoint(path, model, opt)
+    errors_zero = all(bool((b == 0).all()) for f in opt.parts for b in f.state.values())
+    return errors_zero, any("error buffers are reset" in str(w.message) for w in caught)
+
+
+def _save(backend, path):
+    model = _model()
+    opt = commopt.DiLoCo(torch.optim.AdamW(model.parameters(), lr=1e-2), sync_every=4)
+    for step in range(1, 10):
+        _loss(model, backend.rank, step).backward()
+        opt.step()
+        opt.zero_grad()
+    commopt.save_checkpoint(path, model, opt)
+
+
+def test_a_checkpoint_loads_at_another_world_size_with_zero_error_buffers(tmp_path) -> None:
+    path = str(tmp_path / "ckpt")
+    run_ranks(_save, 4, path, timeout=TIMEOUT)
+    for errors_zero, warned in run_ranks(_other_world, 2, path, timeout=TIMEOUT):
+        assert errors_zero and warned
