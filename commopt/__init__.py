@@ -10,8 +10,8 @@ from commopt._version import __version__ as __version__
 from commopt.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from commopt.comm import Backend, MixedBackend, MpiBackend, SingleProcessBackend, TorchBackend
 from commopt.compressed import NonFiniteError, compressed_allreduce, padded_size
-from commopt.diloco import DiLoCo
 from commopt.deepspeed_compat import from_deepspeed_config, to_deepspeed_config
+from commopt.diloco import DiLoCo
 from commopt.faults import CollectiveError, watch
 from commopt.launch import (
     broadcast_parameters,

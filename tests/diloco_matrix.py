@@ -139,7 +139,7 @@ def check_diloco(results: Sequence[dict[str, dict[str, Any]]]) -> None:
             problems.append(f"{mode}: replicas differ after finish(): {[m['final'] for m in mine]}")
         for rank, m in enumerate(mine):
             if m["resumed"] != m["final"]:
-                problems.append(f"{mode}: rank {rank}'s resumed run differs from the continuous one")
+                problems.append(f"{mode}: rank {rank}'s resumed run differs from the uninterrupted")
         if MODES[mode].get("delay") and not first["in_flight_at_save"]:
             problems.append(f"{mode}: no sync was in flight at the save (the test lost its point)")
     assert not problems, "\n".join(problems)

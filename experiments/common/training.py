@@ -24,10 +24,11 @@ Variants (labels as they appear in every table):
 - ``LAMB``: ``commopt.OnebitLamb`` with ``freeze_step`` larger than the run, i.e. only its
   full-precision warmup stage, which is LAMB (Adam moments, per-tensor trust ratio
   ‖p‖/‖u‖ clipped to [min_coeff, max_coeff], fp32 gradient average every step).
-- ``DiLoCo-C-HK[-PF][-dD][-wW][-nesterov|-plain]``: ``commopt.DiLoCo`` around ``torch.optim.Adam``
-  (the ``Adam`` row's settings, its gradients local), compression C (``none``, ``bf16``,
-  ``onebit``), ``sync_every`` K, F fragments, delay D, W warmup steps; outer step the compression's default, or
-  the paper's Nesterov (lr 0.7, momentum 0.9), or plain averaging (lr 1, no momentum).
+- ``DiLoCo-C-HK[-PF][-dD][-wW][-nesterov|-plain]``: ``commopt.DiLoCo`` around
+  ``torch.optim.Adam`` (the ``Adam`` row's settings, its gradients local), compression C
+  (``none``, ``bf16``, ``onebit``), ``sync_every`` K, F fragments, delay D, W warmup steps;
+  outer step the compression's default, or the paper's Nesterov (lr 0.7, momentum 0.9), or
+  plain averaging (lr 1, no momentum).
   :func:`is_variant` accepts these labels (they are not in :data:`ALL_VARIANTS`).
 
 Traffic model, the same for every variant: a ring all_reduce of B bytes costs one rank
@@ -45,8 +46,8 @@ import multiprocessing as mp
 import os
 import pickle
 import platform
-import re
 import queue as queue_module
+import re
 import tempfile
 import time
 import traceback

@@ -209,8 +209,10 @@ def test_ranks_built_with_other_settings_get_a_clear_error_not_a_hang() -> None:
 
 def _rank0_weights(backend):
     torch.manual_seed(backend.rank)
-    model = _model() if backend.rank == 0 else torch.nn.Sequential(
-        torch.nn.Linear(6, 20), torch.nn.Tanh(), torch.nn.Linear(20, 3)
+    model = (
+        _model()
+        if backend.rank == 0
+        else torch.nn.Sequential(torch.nn.Linear(6, 20), torch.nn.Tanh(), torch.nn.Linear(20, 3))
     )
     commopt.DiLoCo(torch.optim.Adam(model.parameters()), sync_every=4)
     return _flat(model)
