@@ -21,14 +21,28 @@ from __future__ import annotations
 
 import concurrent.futures
 import warnings
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from commopt.diloco.outer import DiLoCo
+from commopt.comm import Backend
+from commopt.diloco.averages import PseudoGradientAverage
+from commopt.diloco.fragments import Fragment
 
-__all__ = ["load_state_dict", "state_dict"]
+__all__ = ["DiLoCo", "load_state_dict", "state_dict"]
+
+
+class DiLoCo(Protocol):
+    """What the state dict reads and writes of :class:`commopt.diloco.DiLoCo`."""
+
+    inner: torch.optim.Optimizer
+    backend: Backend
+    average: PseudoGradientAverage
+    parts: list[Fragment]
+    progress: Any  # commopt.diloco.outer.Progress
+
+    def settings(self) -> dict[str, int]: ...
+
 
 _ANCHOR, _MOMENTUM = "diloco_anchor", "diloco_outer_momentum"
 

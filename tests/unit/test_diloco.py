@@ -1,0 +1,165 @@
+"""commopt.DiLoCo in one process: the errors a user gets for bad arguments, the fragments and
+their schedule, the averages at n = 1, and a state dict that refuses what does not fit without
+changing anything. (Several ranks: tests/multirank/test_diloco_gloo.py.)"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import commopt
+from commopt.comm import SingleProcessBackend
+from commopt.diloco.averages import Bf16Average, check_finite
+from commopt.diloco.fragments import first_sync_offsets, split_parameters
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+
+
+def _make(model=None, **kw):
+    model = model or _model()
+    inner = kw.pop("inner", None) or torch.optim.AdamW(model.parameters(), lr=1e-2)
+    kw.setdefault("sync_every", 4)
+    return model, commopt.DiLoCo(inner, backend=SingleProcessBackend(), **kw)
+
+
+def _train(model, opt, steps) -> None:
+    for step in steps:
+        x = torch.randn(8, 4, generator=torch.Generator().manual_seed(step))
+        ((model(x) - x[:, :2]) ** 2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+@pytest.mark.parametrize(
+    ("kw", "message"),
+    [
+        (dict(compression="int8"), "Invalid compression: 'int8'"),
+        (dict(sync_every=0), "Invalid sync_every: 0"),
+        (dict(sync_every=True), "Invalid sync_every: True"),
+        (dict(fragments=5), "fragments=5 needs sync_every >= fragments"),
+        (dict(delay=4), "delay < sync_every // fragments = 4"),
+        (dict(fragments=2, delay=2), "sync_every // fragments = 2"),
+        (dict(delay=-1), "Invalid delay: -1"),
+        (dict(warmup_steps=-3), "Invalid warmup_steps: -3"),
+        (dict(outer_lr=0.0), "Invalid outer_lr: 0.0"),
+        (dict(outer_momentum=1.0), "Invalid outer_momentum: 1.0"),
+        (dict(topology="ring"), "Invalid topology: 'ring'"),
+    ],
+)
+def test_bad_arguments_are_refused_with_a_message_that_names_them(kw, message) -> None:
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        _make(**kw)
+
+
+def test_the_inner_optimizer_must_be_one_with_trainable_parameters() -> None:
+    with pytest.raises(TypeError, match="inner must be a torch.optim.Optimizer"):
+        commopt.DiLoCo(object(), sync_every=2)  # type: ignore[arg-type]
+    model = _model()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    with pytest.raises(ValueError, match="no parameter with requires_grad"):
+        commopt.DiLoCo(torch.optim.SGD(model.parameters(), lr=0.1), sync_every=2)
+
+
+def test_fragments_are_contiguous_whole_tensors_of_about_equal_size() -> None:
+    params = [torch.zeros(n) for n in (100, 10, 10, 80, 5, 95, 100)]
+    for k in range(1, len(params) + 1):
+        runs = split_parameters(params, k)
+        assert len(runs) == k and all(runs)
+        assert [id(p) for run in runs for p in run] == [id(p) for p in params]
+    sizes = [sum(p.numel() for p in run) for run in split_parameters(params, 2)]
+    assert sizes == [200, 200]
+    with pytest.raises(ValueError, match="fragments=8 but only 7 parameter tensor"):
+        split_parameters(params, 8)
+
+
+def test_fragment_p_first_syncs_at_floor_p_plus_one_h_over_p() -> None:
+    assert first_sync_offsets(10, 1) == [10]
+    assert first_sync_offsets(10, 4) == [2, 5, 7, 10]
+    assert first_sync_offsets(100, 4) == [25, 50, 75, 100]
+
+
+def test_one_process_fp32_plain_averaging_lands_on_the_inner_optimizers_weights() -> None:
+    ref_model = _model()
+    ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-2)
+    _train(ref_model, ref, range(1, 9))
+    model, opt = _make(compression="none")
+    _train(model, opt, range(1, 9))
+    for a, b in zip(model.parameters(), ref_model.parameters(), strict=True):
+        # θ̄ − (θ̄ − θ) may round by an ulp of θ̄
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    assert opt.comm_stats()["bytes_sent"] == 0 and opt.comm_stats()["syncs"] == 2
+
+
+def test_bf16_average_rounds_once_to_bf16() -> None:
+    x = torch.randn(37)
+    y = x.clone()
+    Bf16Average(SingleProcessBackend()).average_(y, {})
+    assert torch.equal(y, x.to(torch.bfloat16).float())
+
+
+def test_a_non_finite_pseudo_gradient_is_named() -> None:
+    with pytest.raises(commopt.NonFiniteError, match=r"rank\(s\) \[0\]"):
+        check_finite(SingleProcessBackend(), torch.tensor([1.0, float("inf")]))
+
+
+def _digest(model, opt) -> list[torch.Tensor]:
+    out = [p.detach().clone() for p in model.parameters()]
+    out += [v.clone() for st in opt.state.values() for v in st.values() if torch.is_tensor(v)]
+    return out + [f.anchor.clone() for f in opt.parts]
+
+
+def test_a_state_dict_with_other_settings_is_refused_and_changes_nothing() -> None:
+    model, opt = _make(sync_every=4)
+    _train(model, opt, range(1, 7))
+    other_model, other = _make(sync_every=5)
+    _train(other_model, other, range(1, 4))
+    before = _digest(other_model, other)
+    with pytest.raises(ValueError, match="sync_every saved 4, here 5"):
+        other.load_state_dict(opt.state_dict())
+    with pytest.raises(ValueError, match="not a DiLoCo state dict"):
+        other.load_state_dict(other.inner.state_dict())
+    assert all(torch.equal(a, b) for a, b in zip(before, _digest(other_model, other), strict=True))
+    assert other.progress.step == 3
+
+
+def test_resume_mid_interval_is_bit_exact_with_momentum_and_warmup() -> None:
+    kw = dict(sync_every=3, outer_lr=0.7, outer_momentum=0.9, warmup_steps=2, compression="bf16")
+    model, opt = _make(**kw)
+    _train(model, opt, range(1, 15))
+    whole = [p.detach().clone() for p in model.parameters()]
+    model, opt = _make(**kw)
+    _train(model, opt, range(1, 7))
+    saved = copy.deepcopy((model.state_dict(), opt.state_dict()))
+    model, opt = _make(**kw)
+    model.load_state_dict(saved[0])
+    opt.load_state_dict(saved[1])
+    _train(model, opt, range(7, 15))
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), whole, strict=True))
+
+
+def test_a_commopt_optimizer_inside_resumes_exactly_with_its_own_state_part() -> None:
+    def build():
+        model = _model()
+        inner = commopt.OnebitAdam(
+            model.parameters(), lr=1e-2, freeze_step=2, backend=SingleProcessBackend()
+        )
+        return _make(model, inner=inner, sync_every=3)
+
+    model, opt = build()
+    _train(model, opt, range(1, 10))
+    whole = [p.detach().clone() for p in model.parameters()]
+    model, opt = build()
+    _train(model, opt, range(1, 5))
+    sd = copy.deepcopy((model.state_dict(), opt.state_dict()))
+    assert sorted(sd[1]["commopt"]["inner"]) == sorted(opt.inner.state_dict()["commopt"])
+    model, opt = build()
+    model.load_state_dict(sd[0])
+    opt.load_state_dict(sd[1])
+    _train(model, opt, range(5, 10))
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), whole, strict=True))
