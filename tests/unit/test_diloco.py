@@ -57,7 +57,7 @@ def test_bad_arguments_are_refused_with_a_message_that_names_them(kw, message) -
 
 
 def test_the_inner_optimizer_must_be_one_with_trainable_parameters() -> None:
-    with pytest.raises(TypeError, match="inner must be a torch.optim.Optimizer"):
+    with pytest.raises(TypeError, match=r"inner must be a torch\.optim\.Optimizer"):
         commopt.DiLoCo(object(), sync_every=2)  # type: ignore[arg-type]
     model = _model()
     for p in model.parameters():
