@@ -4,6 +4,8 @@ Variants (labels as they appear in every table):
 
 - ``Adam``: ``torch.optim.Adam``; the gradients are averaged by one fp32 ``all_reduce`` of one
   flat buffer per step through a commopt ``TorchBackend`` (so its byte counter applies).
+- ``Local``: ``torch.optim.Adam`` on each rank's own gradients; nothing is communicated (the
+  floor of any method that communicates; its replicas differ).
 - ``DDP-fp32``: ``DistributedDataParallel`` without a hook (torch's C++ reducer, bucketed fp32
   all_reduce overlapped with backward) + ``torch.optim.Adam``. Its bytes are not observable
   from Python; the TCP benchmark uses it for timing only.
@@ -99,6 +101,7 @@ ALL_VARIANTS = (
     "ZeroOneAdam-1bitA-overlap",
     "ZeroOneAdam-syncB",  # phase B with a sync at every step
     "ZeroOneAdam-syncB-overlap",
+    "Local",  # Adam on each rank's own gradients, no communication: the floor
 )
 
 _DILOCO = re.compile(
@@ -393,6 +396,8 @@ class Setup:
             return "phaseA" if step <= hp.warmup else "phaseB"
         if self.label == "DDP-PowerSGD":
             return "allreduce" if step < hp.warmup else "powersgd"
+        if self.label == "Local" or self.label.startswith("DiLoCo"):
+            return "local" if self.label == "Local" else "local+sync"
         return "full"
 
 
@@ -455,9 +460,9 @@ def make_setup(label: str, model: nn.Module, hp: Hyper) -> Setup:
         return Setup(label, ddp, opt, None, counter, average_gradients=False)
     params: Any = list(model.parameters())
     opt: torch.optim.Optimizer
-    if label == "Adam":
+    if label in ("Adam", "Local"):
         opt = torch.optim.Adam(params, lr=hp.lr, betas=hp.betas, weight_decay=hp.weight_decay)
-        return Setup(label, model, opt, backend, None, average_gradients=True)
+        return Setup(label, model, opt, backend, None, average_gradients=label == "Adam")
     base = label.removesuffix("-overlap")
     commopt_kw: dict[str, Any] = {
         "betas": hp.betas,

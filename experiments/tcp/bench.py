@@ -32,6 +32,15 @@ What the commopt variants time (``X-overlap`` is X with ``overlap=True``):
 - ``ZeroOneAdam-syncB`` (and ``-overlap``): phase B with the local interval held at 1, so every
   timed step is a sync step (local update, then the 1-bit exchange of the parameter change).
 
+- ``Local``: Adam on each rank's own gradients, no communication at all: the floor under any
+  method that communicates.
+- ``DiLoCo-…`` (any label of :func:`experiments.common.is_variant`, e.g.
+  ``DiLoCo-onebit-H50``, ``DiLoCo-onebit-H50-P4-d4``): inner steps with the syncs amortized.
+  ``Local`` and the DiLoCo rows time ``--diloco-measure`` steps (default 100, a multiple of
+  every H timed), so each fragment syncs the same number of times in every window; the
+  table's ``sync ms`` column is the slowest rank's time in the steps that synced minus its
+  median local step, i.e. the communication the inner steps did not hide.
+
 Checks, per variant after its timed steps: ``replicas_identical`` (a sha256 of the parameters,
 compared over all ranks; ``ZeroOneAdam``'s replicas legitimately differ between syncs) and, for
 every ``X-overlap`` run together with X, ``same_as_off`` (X-overlap's parameters hash to X's:
@@ -72,7 +81,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from experiments.common import Hyper, describe_machine, launch, make_setup
+from experiments.common import Hyper, describe_machine, is_variant, launch, make_setup
 
 __all__ = ["TCP_VARIANTS", "SmallTransformer", "WideMLP", "main", "measure"]
 
@@ -92,6 +101,9 @@ TCP_VARIANTS = (
     "ZeroOneAdam-1bitA-overlap",
     "ZeroOneAdam-syncB",
     "ZeroOneAdam-syncB-overlap",
+    "Local",
+    "DiLoCo-onebit-H50",
+    "DiLoCo-onebit-H50-P4-d4",
 )
 
 
@@ -179,9 +191,9 @@ def _rss_mb() -> float:
 
 def _rounds(optimizer: Any) -> tuple[int, int] | None:
     """(full-precision, compressed) rounds so far of a commopt optimizer, else None."""
-    if not hasattr(optimizer, "comm_stats"):
+    s = optimizer.comm_stats() if hasattr(optimizer, "comm_stats") else {}
+    if "full_precision_rounds" not in s:
         return None
-    s = optimizer.comm_stats()
     return s["full_precision_rounds"], s["compressed_rounds"]
 
 
@@ -202,6 +214,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     )
     results: dict[str, Any] = {"variants": {}}
     for label in args.variants:
+        local = label == "Local" or label.startswith("DiLoCo")
+        steps = args.diloco_measure if local else args.measure
         model, x, y, loss_fn = _model_and_data(args, rank)
         results["numel"] = sum(p.numel() for p in model.parameters())
         setup = make_setup(label, model, hp)
@@ -218,7 +232,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         rounds0 = _rounds(setup.optimizer)
         step_s, forward_s = [], 0.0
         t0 = time.perf_counter()
-        for _ in range(args.measure):
+        for _ in range(steps):
             ts = time.perf_counter()
             loss = loss_fn(setup.model(x), y)
             forward_s += time.perf_counter() - ts
@@ -228,18 +242,24 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         setup.close()
+        if hasattr(setup.optimizer, "finish"):  # DiLoCo: one model again, outside the timing
+            setup.optimizer.finish()
         rounds1 = _rounds(setup.optimizer)
         digest, identical = _digest(model)
         skipped = 0
         if hasattr(setup.optimizer, "comm_stats"):
-            skipped = setup.optimizer.comm_stats()["skipped_steps"]
+            skipped = setup.optimizer.comm_stats().get("skipped_steps", 0)
+        median = statistics.median(step_s)
         entry = {
             "skipped_steps": skipped,
-            "mean_ms": 1e3 * float(elapsed) / args.measure,
-            "median_ms": 1e3 * statistics.median(step_s),
+            "timed_steps": steps,
+            "mean_ms": 1e3 * float(elapsed) / steps,
+            "median_ms": 1e3 * median,
             "max_ms": 1e3 * max(step_s),
-            "bytes_per_step": (setup.bytes_sent - b0) / args.measure,
-            "collectives_per_step": (setup.collectives - c0) / args.measure,
+            # rank 0's time above its median step, per step: a DiLoCo sync's exposed share
+            "above_median_ms": 1e3 * (sum(step_s) - steps * median) / steps,
+            "bytes_per_step": (setup.bytes_sent - b0) / steps,
+            "collectives_per_step": (setup.collectives - c0) / steps,
             "stage": setup.stage(hp.steps, hp),
             # what the timed window held (commopt variants; DDP: 0, 0)
             "timed_fp32_rounds": None if rounds1 is None else rounds1[0] - rounds0[0],
@@ -249,11 +269,11 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             # where a step's time goes, on rank 0: forward, backward (DDP: with its
             # all-reduce; overlap: with the folds), step() (overlap: the wait for the thread),
             # and the communication thread's busy time
-            "forward_ms": 1e3 * forward_s / args.measure,
-            "backward_ms": 1e3 * (setup.seconds["backward"] - seconds0["backward"]) / args.measure,
-            "optimizer_step_ms": 1e3 * (setup.seconds["step"] - seconds0["step"]) / args.measure,
+            "forward_ms": 1e3 * forward_s / steps,
+            "backward_ms": 1e3 * (setup.seconds["backward"] - seconds0["backward"]) / steps,
+            "optimizer_step_ms": 1e3 * (setup.seconds["step"] - seconds0["step"]) / steps,
             "thread_busy_ms": (
-                1e3 * (thread.busy_seconds - busy0) / args.measure if thread is not None else None
+                1e3 * (thread.busy_seconds - busy0) / steps if thread is not None else None
             ),
         }
         off = results["variants"].get(label.removesuffix("-overlap"))
@@ -299,6 +319,7 @@ def report(results: dict[str, Any], args: argparse.Namespace, machine: str) -> s
     v = results["variants"]
     fp32 = v.get("DDP-fp32", {}).get("mean_ms")
     fp16 = v.get("DDP-fp16", {}).get("mean_ms")
+    floor = v.get("Local", {}).get("mean_ms")
     if args.model == "transformer":
         model = (
             f"SmallTransformer {args.layers} layers, d_model {args.d_model}, {args.heads} heads, "
@@ -314,19 +335,22 @@ def report(results: dict[str, Any], args: argparse.Namespace, machine: str) -> s
     lines = [
         f"{args.label}: {results['world_size']} ranks, {model}{bucket}; warmup {args.warmup} + "
         f"{args.settle} untimed steps, "
-        f"{args.measure} timed steps; PowerSGD rank {args.powersgd_rank}; ZeroOneAdam local "
+        f"{args.measure} timed steps ({args.diloco_measure} for Local and DiLoCo); PowerSGD "
+        f"rank {args.powersgd_rank}; ZeroOneAdam local "
         f"interval {args.local_step_clipper}.",
         f"Machine: {machine}.",
         "",
         "| variant | stage timed | mean ms/step | median ms/step | speed-up vs DDP-fp32 "
-        "| speed-up vs DDP-fp16 | MB sent/step/rank | collectives/step "
+        "| speed-up vs DDP-fp16 | / Local | above median ms/step | MB sent/step/rank "
+        "| collectives/step "
         "| forward / backward / step() ms (rank 0) | comm thread busy ms "
         "| timed fp32 / 1-bit rounds | replicas identical | overlap = off bits |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for label, e in v.items():
         r32 = f"{fp32 / e['mean_ms']:.2f}x" if fp32 else "-"
         r16 = f"{fp16 / e['mean_ms']:.2f}x" if fp16 else "-"
+        rl = f"{e['mean_ms'] / floor:.2f}x" if floor else "-"
         if label == "DDP-fp32":  # torch's C++ reducer: not observable, so the ring model
             n = results["world_size"]
             mb = f"{2 * (n - 1) / n * 4 * results['numel'] / 1e6:.2f} (model)"
@@ -335,7 +359,8 @@ def report(results: dict[str, Any], args: argparse.Namespace, machine: str) -> s
         busy = e.get("thread_busy_ms")
         lines.append(
             f"| {label} | {e['stage']} | {e['mean_ms']:.1f} | {e['median_ms']:.1f} | {r32} "
-            f"| {r16} | {mb} | {e['collectives_per_step']:.2f} "
+            f"| {r16} | {rl} | {e['above_median_ms']:.1f} | {mb} "
+            f"| {e['collectives_per_step']:.2f} "
             f"| {e['forward_ms']:.0f} / {e['backward_ms']:.0f} / {e['optimizer_step_ms']:.0f} "
             f"| {'-' if busy is None else f'{busy:.0f}'} "
             f"| {_rounds_text(e)} "
@@ -371,6 +396,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=3, help="freeze step of the compressed")
     parser.add_argument("--settle", type=int, default=6, help="untimed steps after warmup")
     parser.add_argument("--measure", type=int, default=16)
+    parser.add_argument(
+        "--diloco-measure", type=int, default=100, help="timed steps of Local and DiLoCo rows"
+    )
     parser.add_argument("--powersgd-rank", type=int, default=4)
     parser.add_argument("--local-step-clipper", type=int, default=16)
     parser.add_argument("--label", default="forked ranks on one machine (no shaping)")
@@ -380,7 +408,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quiet", dest="progress", action="store_false")
     args = parser.parse_args(argv)
     args.variants = [s.strip() for s in args.variants.split(",") if s.strip()]
-    unknown = sorted(set(args.variants) - set(TCP_VARIANTS))
+    unknown = sorted(v for v in args.variants if v not in TCP_VARIANTS and not is_variant(v))
     if unknown:
         parser.error(f"unknown variant(s) {unknown}; choose from {list(TCP_VARIANTS)}")
     machine = describe_machine()
