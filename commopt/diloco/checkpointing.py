@@ -7,8 +7,9 @@ Layout (torch's, so :func:`commopt.save_checkpoint` splits it like any optimizer
     "param_groups": the inner optimizer's
     "commopt":      this rank's part: {"kind": "diloco", "world_size", "rank", "layout" (the
                     average and its exchange), "settings", "step", "syncs", "last_sync", "bytes",
-                    "buckets": [the error buffers of each fragment], "pending": [a delayed
-                    sync in flight: its fragment, the step it is applied after, its average],
+                    "buckets": [the error buffers of each segment of each fragment],
+                    "pending": [a delayed sync in flight: its fragment, the step it is
+                    applied after, its average],
                     "inner": the inner optimizer's own "commopt" part, if it has one}
 
 The anchors are identical on every rank (so a checkpoint writes them once); the inner state and
@@ -84,7 +85,7 @@ def state_dict(opt: DiLoCo) -> dict[str, Any]:
         "syncs": opt.progress.syncs,
         "last_sync": list(opt.progress.last_sync),
         "bytes": dict(opt.progress.bytes),
-        "buckets": [dict(frag.state) for frag in opt.parts],
+        "buckets": [dict(state) for frag in opt.parts for state in frag.states],
         "pending": pending,
         "inner": inner.get("commopt"),
     }
@@ -136,12 +137,14 @@ def _check(opt: DiLoCo, sd: dict[str, Any]) -> bool:
             stacklevel=3,
         )
         return False
-    for p, (frag, saved_state) in enumerate(zip(opt.parts, buckets, strict=False)):
-        sizes = {k: v.numel() for k, v in saved_state.items()}
-        if len(buckets) != len(opt.parts) or sizes != {k: v.numel() for k, v in frag.state.items()}:
+    states = [state for frag in opt.parts for state in frag.states]
+    for k, (state, saved_state) in enumerate(zip(states, buckets, strict=False)):
+        sizes = {key: v.numel() for key, v in saved_state.items()}
+        here = {key: v.numel() for key, v in state.items()}
+        if len(buckets) != len(states) or sizes != here:
             raise ValueError(
-                f"DiLoCo.load_state_dict: the error buffers of fragment {p} do not fit "
-                f"(saved {sizes}, here { ({k: v.numel() for k, v in frag.state.items()}) })"
+                f"DiLoCo.load_state_dict: {len(buckets)} saved error-buffer sets for "
+                f"{len(states)} here, or set {k} does not fit (saved {sizes}, here {here})"
             )
     return True
 
@@ -167,17 +170,20 @@ def load_state_dict(opt: DiLoCo, sd: dict[str, Any]) -> None:
 
     index = _indices(opt)
     with torch.no_grad():
-        for p_idx, frag in enumerate(opt.parts):
+        states = [state for frag in opt.parts for state in frag.states]
+        saved = comm["buckets"] if restore_errors else [{} for _ in states]
+        for state, saved_state in zip(states, saved, strict=True):
+            for key, buf in state.items():
+                if restore_errors:
+                    buf.copy_(saved_state[key])
+                else:
+                    buf.zero_()
+        for frag in opt.parts:
             for j, (p, anchor) in enumerate(zip(frag.params, frag.views(frag.anchor), strict=True)):
                 entry = sd["state"][index[id(p)]]
                 anchor.copy_(entry[_ANCHOR])
                 if frag.momentum is not None:
                     frag.views(frag.momentum)[j].copy_(entry[_MOMENTUM])
-            for key, buf in frag.state.items():
-                if restore_errors:
-                    buf.copy_(comm["buckets"][p_idx][key])
-                else:
-                    buf.zero_()
     opt.progress.step = int(comm["step"])
     opt.progress.syncs = int(comm.get("syncs", 0))
     opt.progress.last_sync[:] = [int(t) for t in comm["last_sync"]]

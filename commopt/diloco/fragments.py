@@ -6,7 +6,8 @@ owns, in fp32 and flat:
 - the anchor θ̄ (the parameters at the last sync, identical on every rank);
 - the outer momentum b (only when ``outer_momentum > 0``);
 - a scratch buffer for the pseudo-gradient Δ = θ̄ − θ;
-- the per-rank state of its average (the 1-bit exchange's error buffers).
+- the per-rank state of its average (the 1-bit exchange's error buffers), per segment: with
+  one 1-bit scale per tensor, each tensor is a segment of its own.
 
 Streaming DiLoCo (Douillard et al., 2025) syncs P fragments at staggered steps, so the traffic
 of one sync is spread over the interval. Fragment p (0-based) of P syncs at the inner steps
@@ -62,6 +63,7 @@ class Fragment:
         params: list[torch.Tensor],
         average: PseudoGradientAverage,
         momentum: bool,
+        per_tensor: bool,
     ) -> None:
         self.params = params
         self.numel = sum(p.numel() for p in params)
@@ -69,10 +71,22 @@ class Fragment:
         self.anchor = torch.zeros(self.numel, dtype=torch.float32, device=device)
         self.momentum = torch.zeros_like(self.anchor) if momentum else None
         self.delta = torch.zeros_like(self.anchor)
-        self.state = {
-            k: torch.zeros(v, dtype=torch.float32, device=device)
-            for k, v in average.state_numels(self.numel).items()
-        }
+        #: (offset, numel) of each run of Δ averaged on its own: one per tensor (one 1-bit scale
+        #: per tensor), or the whole fragment
+        self.segments = [(0, self.numel)]
+        if per_tensor:
+            offsets = [0]
+            for p in params[:-1]:
+                offsets.append(offsets[-1] + p.numel())
+            self.segments = [(o, p.numel()) for o, p in zip(offsets, params, strict=True)]
+        #: the average's per-rank state (error buffers), one dict per segment
+        self.states = [
+            {
+                k: torch.zeros(v, dtype=torch.float32, device=device)
+                for k, v in average.state_numels(numel).items()
+            }
+            for _, numel in self.segments
+        ]
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """``flat`` cut into one view per parameter, shaped like it."""

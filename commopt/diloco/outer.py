@@ -38,6 +38,7 @@ from commopt.diloco.averages import (
     Fp32Average,
     OnebitAverage,
     PseudoGradientAverage,
+    check_finite,
 )
 from commopt.diloco.fragments import Fragment, first_sync_offsets, split_parameters
 from commopt.exchange import build_exchange, discover_topology
@@ -116,6 +117,10 @@ class DiLoCo:
         topology: ``"flat"``, or ``"hierarchical"``: every step averages gradients inside the
             node at fp32, so a node is one DiLoCo worker, and the sync crosses nodes through the
             hierarchical 1-bit exchange (``"none"``/``"bf16"`` average over all ranks).
+        scale: ``"onebit"`` only: one 1-bit scale for the whole fragment (``"fragment"``,
+            default: SPEC §1 over one fused buffer, 4 collectives per sync) or one per
+            parameter tensor (``"tensor"``: an exchange per tensor, 4 collectives each, so a
+            layer whose Δ is small is not sent as ±the scale of a large one).
         backend: where to communicate; ``None`` resolves as for the optimizers.
     """
 
@@ -132,6 +137,7 @@ class DiLoCo:
         delay: int = 0,
         warmup_steps: int = 0,
         topology: Literal["flat", "hierarchical"] = "flat",
+        scale: Literal["tensor", "fragment"] = "fragment",
         backend: Backend | None = None,
     ) -> None:
         if not isinstance(inner, torch.optim.Optimizer):
@@ -140,6 +146,8 @@ class DiLoCo:
             raise ValueError(f"Invalid compression: {compression!r} (one of {COMPRESSIONS})")
         if topology not in ("flat", "hierarchical"):
             raise ValueError(f"Invalid topology: {topology!r} ('flat' or 'hierarchical')")
+        if scale not in ("tensor", "fragment"):
+            raise ValueError(f"Invalid scale: {scale!r} ('tensor' or 'fragment')")
         for name, value in (("sync_every", sync_every), ("fragments", fragments)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"Invalid {name}: {value!r} (an integer >= 1)")
@@ -165,7 +173,7 @@ class DiLoCo:
         self.inner = inner
         self.sync_every, self.compression, self.nesterov = sync_every, compression, bool(nesterov)
         self.fragments, self.delay, self.warmup_steps = fragments, delay, warmup_steps
-        self.topology = topology
+        self.topology, self.scale = topology, scale
         self.backend = resolve_backend(backend)
         be = self.backend
         self._params = [p for g in inner.param_groups for p in g["params"] if p.requires_grad]
@@ -185,7 +193,12 @@ class DiLoCo:
         self.average = self._build_average(node_topology)
         #: the fragments, in parameter order (:class:`~commopt.diloco.fragments.Fragment`)
         self.parts = [
-            Fragment(run, self.average, self.outer_momentum > 0.0)
+            Fragment(
+                run,
+                self.average,
+                momentum=self.outer_momentum > 0.0,
+                per_tensor=compression == "onebit" and scale == "tensor",
+            )
             for run in split_parameters(self._params, fragments)
         ]
         self._offsets = first_sync_offsets(sync_every, fragments)
@@ -210,6 +223,7 @@ class DiLoCo:
             "delay": self.delay,
             "warmup_steps": self.warmup_steps,
             "topology": int(self.topology == "hierarchical"),
+            "scale per tensor": int(self.scale == "tensor"),
             "outer_lr": float_bits(self.outer_lr),
             "outer_momentum": float_bits(self.outer_momentum),
             "nesterov": int(self.nesterov),
@@ -291,7 +305,10 @@ class DiLoCo:
 
     def _average(self, frag: Fragment) -> torch.Tensor:
         before = {k: b.stats.snapshot() for k, b in self.average.backends.items()}
-        self.average.average_(frag.delta, frag.state)
+        if len(frag.segments) > 1:  # every rank agrees on finiteness before any segment moves
+            check_finite(self.backend, frag.delta)
+        for (offset, numel), state in zip(frag.segments, frag.states, strict=True):
+            self.average.average_(frag.delta[offset : offset + numel], state)
         for level, b in self.average.backends.items():
             sent = (b.stats.snapshot() - before[level]).bytes_sent
             self.progress.bytes["local" if level == "local" else "sync"] += sent
@@ -377,7 +394,7 @@ class DiLoCo:
             f"DiLoCo({type(self.inner).__name__}, sync_every={self.sync_every}, "
             f"compression={self.compression!r}, outer_lr={self.outer_lr}, "
             f"outer_momentum={self.outer_momentum}, fragments={self.fragments}, "
-            f"delay={self.delay}, topology={self.topology!r})"
+            f"delay={self.delay}, topology={self.topology!r}, scale={self.scale!r})"
         )
 
 

@@ -26,11 +26,12 @@ Variants (labels as they appear in every table):
 - ``LAMB``: ``commopt.OnebitLamb`` with ``freeze_step`` larger than the run, i.e. only its
   full-precision warmup stage, which is LAMB (Adam moments, per-tensor trust ratio
   ‖p‖/‖u‖ clipped to [min_coeff, max_coeff], fp32 gradient average every step).
-- ``DiLoCo-C-HK[-PF][-dD][-wW][-nesterov|-plain]``: ``commopt.DiLoCo`` around
+- ``DiLoCo-C-HK[-PF][-dD][-wW][-oR][-nesterov|-plain][-tensor]``: ``commopt.DiLoCo`` around
   ``torch.optim.Adam`` (the ``Adam`` row's settings, its gradients local), compression C
   (``none``, ``bf16``, ``onebit``), ``sync_every`` K, F fragments, delay D, W warmup steps;
   outer step the compression's default, or the paper's Nesterov (lr 0.7, momentum 0.9), or
-  plain averaging (lr 1, no momentum).
+  plain averaging (lr 1, no momentum); R overrides the outer lr; ``-tensor``: one 1-bit scale
+  per tensor (``scale="tensor"``; default one per fragment).
   :func:`is_variant` accepts these labels (they are not in :data:`ALL_VARIANTS`).
 
 Traffic model, the same for every variant: a ring all_reduce of B bytes costs one rank
@@ -106,7 +107,7 @@ ALL_VARIANTS = (
 
 _DILOCO = re.compile(
     r"DiLoCo-(?P<c>none|bf16|onebit)-H(?P<h>\d+)(?:-P(?P<p>\d+))?(?:-d(?P<d>\d+))?"
-    r"(?:-w(?P<w>\d+))?(?:-(?P<outer>nesterov|plain))?"
+    r"(?:-w(?P<w>\d+))?(?:-o(?P<olr>[\d.]+))?(?:-(?P<outer>nesterov|plain))?(?P<t>-tensor)?"
 )
 
 
@@ -120,6 +121,8 @@ def _diloco(label: str, model: nn.Module, hp: Hyper, backend: TorchBackend) -> A
     m = _DILOCO.fullmatch(label)
     assert m is not None
     outer = {"nesterov": (0.7, 0.9), "plain": (1.0, 0.0)}.get(m["outer"] or "", (None, None))
+    if m["olr"]:
+        outer = (float(m["olr"]), outer[1])
     inner = torch.optim.Adam(
         model.parameters(), lr=hp.lr, betas=hp.betas, weight_decay=hp.weight_decay
     )
@@ -130,6 +133,7 @@ def _diloco(label: str, model: nn.Module, hp: Hyper, backend: TorchBackend) -> A
         fragments=int(m["p"] or 1),
         delay=int(m["d"] or 0),
         warmup_steps=int(m["w"] or 0),
+        scale="tensor" if m["t"] else "fragment",
         outer_lr=outer[0],
         outer_momentum=outer[1],
         backend=backend,

@@ -1,5 +1,5 @@
 # ruff: noqa: E402  (torch is imported after its CPU kernels are capped, below)
-r"""Data-parallel byte-level language model: Adam, 1-bit Adam, 0/1 Adam, LAMB and 1-bit LAMB.
+r"""Data-parallel byte-level language model: Adam, 1-bit Adam, 0/1 Adam, LAMB, 1-bit LAMB, DiLoCo.
 
 Run it under a launcher, one process per rank (``scripts/demo.sh`` does this)::
 
@@ -95,6 +95,8 @@ class Config:
     """contexts in each of the fixed train and validation evaluation sets"""
     log_every: int = 25
     max_corpus_bytes: int = 12_000_000
+    sync_every: int = 10
+    """DiLoCo's H: inner steps between two syncs of the pseudo-gradient"""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,6 +143,9 @@ class Variant:
 #   leaves the SPEC §3 warmup, which is exactly LAMB (no bias correction, clamped trust ratio)
 #   on gradients the optimizer averages in fp32 (one all_reduce per step + the 16-byte flags).
 #   OnebitLamb uses the same lr and freeze_step = cfg.warmup (OnebitAdam's warmup).
+# - DiLoCo-1bit: the Adam row's optimizer, its gradients left local, inside commopt.DiLoCo with
+#   its defaults (1-bit pseudo-gradient with error feedback, outer lr 1, no outer momentum) and
+#   H = 10, the H at which docs/algorithms/diloco.md holds it to 1-bit Adam's quality.
 def _settled_beta2(freeze_step: int) -> float:
     """β2 whose uncorrected v has reached 95 % of its level by ``freeze_step``: 1 − 3/T."""
     return min(0.999, max(0.9, 1 - 3 / freeze_step))
@@ -198,6 +203,16 @@ VARIANTS: list[Variant] = [
         compression_from=lambda cfg: cfg.warmup + 1,
         description="commopt.OnebitLamb(lr=5·lr, freeze_step=warmup): LAMB warmup, then one "
         "fused 1-bit momentum allreduce per step; trust ratios max(frozen c̄·f, LAMB's ‖p‖/‖u‖)",
+    ),
+    Variant(
+        "DiLoCo-1bit",
+        lambda params, cfg: commopt.DiLoCo(
+            torch.optim.Adam(params, lr=cfg.lr), sync_every=cfg.sync_every
+        ),
+        average_gradients=False,
+        compression_from=lambda cfg: 1,
+        description="commopt.DiLoCo(torch.optim.Adam(lr), sync_every=H): H local Adam steps, "
+        "then the pseudo-gradient averaged at 1 bit with error feedback, outer lr 1",
     ),
 ]
 
@@ -382,7 +397,10 @@ def train(
                 f"  batch loss {float(loss.detach()):.3f}"
                 f"  {statistics.median(step_ms[-cfg.log_every :]):6.1f} ms/step{stage}"
             )
-    if isinstance(optimizer, commopt.optim.CompressedOptimizer):
+    if isinstance(optimizer, commopt.DiLoCo):
+        optimizer.finish()  # nothing to do when H divides the steps
+        full_rounds, compressed_rounds, skipped = 0, optimizer.comm_stats()["syncs"], 0
+    elif isinstance(optimizer, commopt.optim.CompressedOptimizer):
         stats = optimizer.comm_stats()
         full_rounds, compressed_rounds = stats["full_precision_rounds"], stats["compressed_rounds"]
         skipped = stats["skipped_steps"]
@@ -411,7 +429,7 @@ def _mb(nbytes: float) -> str:
 
 TABLE = pathlib.Path(__file__).parent / "results" / "table.md"
 """Where a run with the default settings writes its table; the README quotes it
-(tests/unit/test_readme_demo_table.py) and a test re-trains the five rows and compares."""
+(tests/unit/test_readme_demo_table.py) and a test re-trains the six rows and compares."""
 
 
 def settings_line(cfg: Config, n: int, numel: int) -> str:
@@ -469,7 +487,24 @@ def write_table(
     """Write the deterministic table (no timings) with the settings that produced it."""
     path.parent.mkdir(parents=True, exist_ok=True)
     body = [settings_line(cfg, n, numel), "", *table(variants, results, cfg, times=False)]
-    path.write_text("\n".join(body) + "\n")
+    path.write_text("\n".join(body + headline(results, cfg, numel)) + "\n")
+
+
+def headline(results: list[Result], cfg: Config, numel: int) -> list[str]:
+    """DiLoCo's row against the first row's, in one sentence (nothing when it did not run)."""
+    base = results[0]
+    row = next((r for r in results if r.label == "DiLoCo-1bit"), None)
+    if row is None or row is base:
+        return []
+    sent = sum(row.step_bytes)
+    bits = 8 * sent / (numel * cfg.steps)
+    return [
+        "",
+        f"**DiLoCo-1bit** (H = {cfg.sync_every}): validation loss {row.val_loss:.4f}, "
+        f"{100 * (row.val_loss / base.val_loss - 1):+.1f} % from {base.label}'s, with "
+        f"{sum(base.step_bytes) / sent:.0f}x less traffic ({bits:.3f} bits per parameter per "
+        "step).",
+    ]
 
 
 def report(variants: list[Variant], results: list[Result], cfg: Config, n: int, numel: int) -> str:

@@ -1,4 +1,4 @@
-"""The demo's five rows, re-trained on 4 forked gloo ranks with the demo's own configuration
+"""The demo's six rows, re-trained on 4 forked gloo ranks with the demo's own configuration
 (``experiments/demo/train_bytelm.py``, nothing changed for the test): the table they give is the
 one committed in ``experiments/demo/results/table.md``, which the README quotes
 (tests/unit/test_readme_demo_table.py). Every column of that table is a pure function of the

@@ -41,16 +41,20 @@ def _flat(model: torch.nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
-def _by_hand(backend, compression: str, outer: tuple[float, float], steps: int):
+def _by_hand(backend, compression: str, outer: tuple[float, float], steps: int, scale: str):
     """DiLoCo written out: Adam inner steps, Δ = anchor − θ every H steps, averaged by
-    ``compressed_allreduce`` (errors kept) or an fp32 all-reduce, torch.optim.SGD on the anchor."""
+    ``compressed_allreduce`` (errors kept; one call per tensor with ``scale="tensor"``) or an
+    fp32 all-reduce, torch.optim.SGD on the anchor."""
     model = _model()
     inner = torch.optim.Adam(model.parameters(), lr=1e-2)
     anchor = torch.nn.Parameter(_flat(model).clone())
     lr, momentum = outer
     sgd = torch.optim.SGD([anchor], lr=lr, momentum=momentum, nesterov=momentum > 0)
-    padded = padded_size(anchor.numel(), backend.world_size)
-    e, f = torch.zeros(padded), torch.zeros(padded // backend.world_size)
+    sizes = [p.numel() for p in model.parameters()] if scale == "tensor" else [anchor.numel()]
+    errors = []
+    for size in sizes:
+        padded = padded_size(size, backend.world_size)
+        errors.append((torch.zeros(padded), torch.zeros(padded // backend.world_size)))
     for step in range(1, steps + 1):
         _loss(model, backend.rank, step).backward()
         inner.step()
@@ -58,7 +62,13 @@ def _by_hand(backend, compression: str, outer: tuple[float, float], steps: int):
         if step % H == 0:
             delta = anchor.detach() - _flat(model)
             if compression == "onebit":
-                delta = commopt.compressed_allreduce(delta, e, f, backend)
+                parts = delta.split(sizes)
+                delta = torch.cat(
+                    [
+                        commopt.compressed_allreduce(part, e, f, backend)
+                        for part, (e, f) in zip(parts, errors, strict=True)
+                    ]
+                )
             else:
                 backend.all_reduce(delta, "avg")
             anchor.grad = delta
@@ -68,12 +78,17 @@ def _by_hand(backend, compression: str, outer: tuple[float, float], steps: int):
     return _flat(model)
 
 
-def _with_diloco(backend, compression: str, outer: tuple[float, float], steps: int):
+def _with_diloco(backend, compression: str, outer: tuple[float, float], steps: int, scale: str):
     model = _model()
     inner = torch.optim.Adam(model.parameters(), lr=1e-2)
     lr, momentum = outer
     opt = commopt.DiLoCo(
-        inner, sync_every=H, compression=compression, outer_lr=lr, outer_momentum=momentum
+        inner,
+        sync_every=H,
+        compression=compression,
+        outer_lr=lr,
+        outer_momentum=momentum,
+        scale=scale,
     )
     for step in range(1, steps + 1):
         _loss(model, backend.rank, step).backward()
@@ -82,18 +97,23 @@ def _with_diloco(backend, compression: str, outer: tuple[float, float], steps: i
     return _flat(model)
 
 
-def _both(backend, compression, outer):
-    return _by_hand(backend, compression, outer, 3 * H), _with_diloco(
-        backend, compression, outer, 3 * H
-    )
+def _both(backend, compression, outer, scale):
+    args = (backend, compression, outer, 3 * H, scale)
+    return _by_hand(*args), _with_diloco(*args)
 
 
 @pytest.mark.parametrize(
-    ("compression", "outer"),
-    [("onebit", (1.0, 0.0)), ("onebit", (0.7, 0.9)), ("none", (0.7, 0.9)), ("none", (1.0, 0.0))],
+    ("compression", "outer", "scale"),
+    [
+        ("onebit", (1.0, 0.0), "tensor"),
+        ("onebit", (1.0, 0.0), "fragment"),
+        ("onebit", (0.7, 0.9), "tensor"),
+        ("none", (0.7, 0.9), "tensor"),
+        ("none", (1.0, 0.0), "fragment"),
+    ],
 )
-def test_equals_the_outer_loop_written_by_hand(compression, outer) -> None:
-    for by_hand, ours in run_ranks(_both, 3, compression, outer, timeout=TIMEOUT):
+def test_equals_the_outer_loop_written_by_hand(compression, outer, scale) -> None:
+    for by_hand, ours in run_ranks(_both, 3, compression, outer, scale, timeout=TIMEOUT):
         assert torch.equal(by_hand, ours)
 
 
@@ -107,7 +127,10 @@ def _islands(backend):
     digests = []
     model = _model(width=400)  # large enough that the signs, not the scales, set the bytes
     opt = commopt.DiLoCo(
-        torch.optim.Adam(model.parameters(), lr=1e-2), sync_every=H, topology="hierarchical"
+        torch.optim.Adam(model.parameters(), lr=1e-2),
+        sync_every=H,
+        topology="hierarchical",
+        scale="fragment",  # one exchange, so the bytes below are the signs' and a few scales
     )
     for step in range(1, 2 * H + 1):
         _loss(model, backend.rank, step).backward()
@@ -167,7 +190,11 @@ def _non_finite(backend, compression, bad_rank):
         _loss(model, backend.rank, step).backward()
         opt.step()
         opt.zero_grad()
-    before = [t.clone() for f in opt.parts for t in (f.anchor, f.momentum, *f.state.values())]
+    before = [
+        t.clone()
+        for f in opt.parts
+        for t in (f.anchor, f.momentum, *(v for s in f.states for v in s.values()))
+    ]
     _loss(model, backend.rank, 3).backward()
     opt.step()
     opt.zero_grad()
@@ -178,7 +205,11 @@ def _non_finite(backend, compression, bad_rank):
     try:
         opt.step()
     except commopt.NonFiniteError as err:
-        after = [t for f in opt.parts for t in (f.anchor, f.momentum, *f.state.values())]
+        after = [
+            t
+            for f in opt.parts
+            for t in (f.anchor, f.momentum, *(v for s in f.states for v in s.values()))
+        ]
         unchanged = all(torch.equal(x, y) for x, y in zip(before, after, strict=True))
         return str(err), unchanged
     return None, None
@@ -260,7 +291,7 @@ def _other_world(backend, path):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         commopt.load_checkpoint(path, model, opt)
-    errors_zero = all(bool((b == 0).all()) for f in opt.parts for b in f.state.values())
+    errors_zero = all(bool((b == 0).all()) for f in opt.parts for s in f.states for b in s.values())
     return errors_zero, any("error buffers are reset" in str(w.message) for w in caught)
 
 
