@@ -37,6 +37,7 @@ __all__ = [
     "Fp32Average",
     "OnebitAverage",
     "PseudoGradientAverage",
+    "average_gradients_",
     "check_finite",
 ]
 
@@ -152,3 +153,33 @@ class OnebitAverage:
 
     def average_(self, delta: torch.Tensor, state: dict[str, torch.Tensor]) -> None:
         self.exchange.allreduce_(delta, state)
+
+
+@torch.no_grad()
+def average_gradients_(backend: Backend, params: list[torch.Tensor]) -> int:
+    """Every gradient ← its fp32 mean over ``backend`` (one all-reduce of one flat buffer): the
+    data-parallel steps of DiLoCo's warmup (all ranks) and of its islands (the node). Returns
+    the bytes this rank sent.
+
+    Raises:
+        ValueError: on every rank of ``backend``, when the ranks hold gradients for different
+            numbers of parameters (checked first, with one tiny all-reduce).
+    """
+    before = backend.stats.snapshot()
+    grads = [p.grad for p in params if p.grad is not None]
+    count = torch.tensor([len(grads), -len(grads)], dtype=torch.int64)
+    backend.all_reduce(count, "max")
+    if int(count[0]) != -int(count[1]):
+        raise ValueError(
+            "DiLoCo: the ranks averaging gradients have gradients for different numbers of "
+            f"parameters (between {-int(count[1])} and {int(count[0])}); every rank must "
+            "produce gradients for the same parameters"
+        )
+    if grads:
+        flat = torch.cat([g.reshape(-1).float() for g in grads])
+        backend.all_reduce(flat, "avg")
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+    return (backend.stats.snapshot() - before).bytes_sent

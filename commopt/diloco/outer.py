@@ -38,6 +38,7 @@ from commopt.diloco.averages import (
     Fp32Average,
     OnebitAverage,
     PseudoGradientAverage,
+    average_gradients_,
     check_finite,
 )
 from commopt.diloco.fragments import Fragment, first_sync_offsets, split_parameters
@@ -318,28 +319,8 @@ class DiLoCo:
     def _apply(self, p: int, average: torch.Tensor) -> None:
         self.parts[p].outer_step_(average, self.outer_lr, self.outer_momentum, self.nesterov)
 
-    @torch.no_grad()
     def _average_gradients(self, backend: Backend) -> None:
-        """Gradients ← their fp32 mean over ``backend`` (warmup: all ranks; islands: the node)."""
-        grads = [p.grad for p in self._params if p.grad is not None]
-        count = torch.tensor([len(grads), -len(grads)], dtype=torch.int64)
-        backend.all_reduce(count, "max")
-        if int(count[0]) != -int(count[1]):
-            raise ValueError(
-                "DiLoCo: the ranks averaging gradients have gradients for different numbers of "
-                f"parameters (between {-int(count[1])} and {int(count[0])}); every rank must "
-                "produce gradients for the same parameters"
-            )
-        if not grads:
-            return
-        before = backend.stats.snapshot()
-        flat = torch.cat([g.reshape(-1).float() for g in grads])
-        backend.all_reduce(flat, "avg")
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
-        sent = (backend.stats.snapshot() - before).bytes_sent
+        sent = average_gradients_(backend, self._params)
         self.progress.bytes["warmup" if backend is self.backend else "local"] += sent
 
     def finish(self) -> None:
