@@ -8,6 +8,7 @@ config; and how DeepSpeed counted steps (the note above ``FREEZE_SHIFTED``).
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 __all__ = [
@@ -149,6 +150,11 @@ def checked(type_name: str, key: str, value: Any) -> Any:
     """``value`` if it has the JSON type ``key`` takes (integral floats → int), else TypeError."""
     expected = _KEY_TYPES[key]
     is_real = isinstance(value, (int, float)) and not isinstance(value, bool)
+    for v in value if isinstance(value, (list, tuple)) else [value]:
+        if isinstance(v, float) and not math.isfinite(v):  # JSON's Infinity, -Infinity, NaN
+            raise ValueError(
+                f"{type_name} param {key!r} = {value!r} is not a finite number; expected {expected}"
+            )
     if expected == _REAL and is_real:
         return value
     if expected == _INT and is_real:

@@ -133,7 +133,7 @@ def save_checkpoint(
     """
     be = _backend_of(optimizer, backend)
     rank, n = be.rank, be.world_size
-    path = os.fspath(path)
+    path = os.path.normpath(os.fspath(path))  # "ckpt/" is "ckpt": the staging is "ckpt.tmp"
     staging = path + ".tmp"
 
     # 1. Split the state: tensors equal on every rank are written once, the rest per rank.
@@ -275,7 +275,7 @@ def load_checkpoint(
     """
     be = _backend_of(optimizer, backend)
     rank, n = be.rank, be.world_size
-    path = os.fspath(path)
+    path = os.path.normpath(os.fspath(path))
 
     error: BaseException | None = None
     try:

@@ -7,7 +7,7 @@ import os
 import torch.distributed as dist
 
 from commopt.comm.base import Backend, SingleProcessBackend
-from commopt.comm.env import launched_by_mpi
+from commopt.comm.env import int_env, launched_by_mpi
 from commopt.comm.mpi_backend import MpiBackend
 from commopt.comm.torch_backend import TorchBackend
 
@@ -74,8 +74,9 @@ def _refuse_a_lone_rank() -> None:
     """A launcher started several ranks but none can reach the others: training on alone would
     give every rank its own model, with exit code 0. Each rank finds this out by itself, so all
     of them raise, and none waits for the others."""
-    size = os.environ.get("WORLD_SIZE", "1")
-    if size.isdigit() and int(size) > 1:
+    # int() as the launch discovery reads it: " 2", "+2" and "02" are 2, not a world of one
+    size = int_env(os.environ, "WORLD_SIZE") if "WORLD_SIZE" in os.environ else 1
+    if size > 1:
         raise RuntimeError(
             f"WORLD_SIZE={size} says this is one of {size} ranks, but torch.distributed is not "
             "initialized, so commopt would train this rank alone: call commopt.init() (or "

@@ -25,16 +25,26 @@ print("trained alone")
 """
 
 
-def test_resolve_backend_refuses_a_lone_rank(monkeypatch) -> None:
+@pytest.mark.parametrize("value", ["2", " 2", "2 ", "+2", "02"])
+def test_resolve_backend_refuses_a_lone_rank(monkeypatch, value) -> None:
     assert not dist.is_initialized()
     for name in ("OMPI_COMM_WORLD_RANK", "PMI_RANK"):
         monkeypatch.delenv(name, raising=False)
     commopt.comm.set_default_backend(None)
-    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("WORLD_SIZE", value)  # (issue 41: " 2" used to slip through)
     with pytest.raises(RuntimeError, match=r"WORLD_SIZE=2 .* call commopt\.init\(\)"):
         resolve_backend()
     monkeypatch.setenv("WORLD_SIZE", "1")
     assert isinstance(resolve_backend(), SingleProcessBackend)
+
+
+def test_a_world_size_that_is_no_integer_is_named(monkeypatch) -> None:
+    for name in ("OMPI_COMM_WORLD_RANK", "PMI_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    commopt.comm.set_default_backend(None)
+    monkeypatch.setenv("WORLD_SIZE", "two")
+    with pytest.raises(ValueError, match="WORLD_SIZE environment variable must be an integer"):
+        resolve_backend()
 
 
 def test_torchrun_without_init_fails_on_every_rank(tmp_path: Path) -> None:

@@ -86,6 +86,18 @@ def test_layout(tmp_path):
     assert not os.path.exists(tmp_path / "ck.tmp")
 
 
+def test_a_path_with_a_trailing_slash_saves_and_loads(tmp_path):
+    # issue 41: "ckpt/" staged into "ckpt/.tmp", inside the directory it then replaced
+    model = _model()
+    opt = _opt(model, freeze_step=2)
+    _train(model, opt, range(3))
+    for _ in range(2):  # the second save replaces the first
+        commopt.save_checkpoint(f"{tmp_path / 'ck'}{os.sep}", model, opt, step=3)
+    opt2 = _opt(_model(), freeze_step=2)
+    assert commopt.load_checkpoint(f"{tmp_path / 'ck'}{os.sep}", None, opt2) == {"step": 3}
+    assert sorted(os.listdir(tmp_path)) == ["ck"]
+
+
 def test_overwrite_replaces_the_old_checkpoint(tmp_path):
     model = _model()
     opt = _opt(model, freeze_step=2)

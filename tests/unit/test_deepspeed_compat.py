@@ -362,6 +362,21 @@ def test_wrong_value_types_name_key_value_and_type(kind, params, match):
         _build({"type": kind, "params": params})
 
 
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [
+        ('{"lr": Infinity}', r"'lr' = inf is not a finite number"),
+        ('{"eps": NaN}', r"'eps' = nan is not a finite number"),
+        ('{"betas": [0.9, -Infinity]}', r"'betas' = \[0.9, -inf\] is not a finite number"),
+        ('{"freeze_step": Infinity}', r"'freeze_step' = inf is not a finite number"),
+    ],
+)
+def test_json_infinity_and_nan_are_refused(text, match):
+    # issue 41: {"lr": Infinity} was accepted (Python's json reads it as inf)
+    with pytest.raises(ValueError, match=match):
+        _build({"type": "OneBitAdam", "params": json.loads(text)})
+
+
 def test_params_must_be_an_object():
     with pytest.raises(
         TypeError, match=r"OneBitAdam 'params' = \[\{'lr': 0.1\}\] is list; expected a dict"
