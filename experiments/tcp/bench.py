@@ -242,6 +242,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         setup.close()
+        sent, calls = setup.bytes_sent - b0, setup.collectives - c0  # the timed steps' only
         if hasattr(setup.optimizer, "finish"):  # DiLoCo: one model again, outside the timing
             setup.optimizer.finish()
         rounds1 = _rounds(setup.optimizer)
@@ -258,8 +259,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             "max_ms": 1e3 * max(step_s),
             # rank 0's time above its median step, per step: a DiLoCo sync's exposed share
             "above_median_ms": 1e3 * (sum(step_s) - steps * median) / steps,
-            "bytes_per_step": (setup.bytes_sent - b0) / steps,
-            "collectives_per_step": (setup.collectives - c0) / steps,
+            "bytes_per_step": sent / steps,
+            "collectives_per_step": calls / steps,
             "stage": setup.stage(hp.steps, hp),
             # what the timed window held (commopt variants; DDP: 0, 0)
             "timed_fp32_rounds": None if rounds1 is None else rounds1[0] - rounds0[0],
