@@ -20,6 +20,7 @@ pytest.importorskip("tqdm", reason="the experiments extra (tqdm) is not installe
 from experiments.convergence import run as convergence
 from experiments.convergence import seeds as convergence_seeds
 from experiments.convergence.tasks import load_task
+from experiments.diloco import convergence as diloco_convergence
 from experiments.optim import bench_step
 from experiments.tcp import bench as tcp
 from tests.optim_registry import BY_NAME
@@ -132,6 +133,29 @@ def test_convergence_seeds_smoke(tmp_path: pathlib.Path) -> None:
 
 
 @pytest.mark.timeout(240)
+def test_diloco_convergence_smoke(tmp_path: pathlib.Path) -> None:
+    argv = ["--task", "digits", "--seeds", "0", "--steps", str(STEPS), "--world-size", str(N)]
+    argv += ["--optimizers", "Adam,DiLoCo-none-H3,DiLoCo-onebit-H3,DiLoCo-onebit-H2-P2-d0-tensor"]
+    assert diloco_convergence.main([*argv, "--out", str(tmp_path), "--timeout", "200"]) == 0
+    rows = {
+        line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+        for line in (tmp_path / "digits-4-variants.md").read_text().splitlines()
+        if line.startswith("| ") and not line.startswith("| variant")
+    }
+    assert list(rows) == [
+        "Adam",
+        "DiLoCo-none-H3",
+        "DiLoCo-onebit-H3",
+        "DiLoCo-onebit-H2-P2-d0-tensor",
+    ]
+    assert all(r[-1] == "yes" for r in rows.values())  # replicas identical at the end
+    # bits per parameter per step: Adam 32·2(n−1)/n = 32; fp32 DiLoCo H = 3 a third of it
+    assert float(rows["Adam"][3]) == pytest.approx(32.0, rel=1e-3)
+    assert float(rows["DiLoCo-none-H3"][3]) == pytest.approx(32.0 / 3, rel=1e-3)
+    assert float(rows["DiLoCo-onebit-H3"][3]) < 1.0
+
+
+@pytest.mark.timeout(240)
 def test_tcp_bench_smoke(tmp_path: pathlib.Path) -> None:
     out, js = tmp_path / "t.md", tmp_path / "t.json"
     argv = [
@@ -151,6 +175,8 @@ def test_tcp_bench_smoke(tmp_path: pathlib.Path) -> None:
         "2",
         "--bucket-numel",
         "3000",  # several buckets, so the overlap variants start exchanges during backward
+        "--diloco-measure",
+        "50",  # Local and DiLoCo: one sync of every fragment in the window
         "--out",
         str(out),
         "--json",
@@ -177,11 +203,19 @@ def test_tcp_bench_smoke(tmp_path: pathlib.Path) -> None:
     overlap = [label for label in v if label.endswith("-overlap")]
     assert len(overlap) == 5
     assert all(v[label]["same_as_off"] is True for label in overlap)
-    # replicas agree after the timed steps, except 0/1 Adam between its syncs (interval 2)
+    # replicas agree after the timed steps, except 0/1 Adam between its syncs (interval 2) and
+    # Local, which never communicates (DiLoCo's finish() syncs every fragment before the check)
     for label, e in v.items():
         assert e["skipped_steps"] == 0, label
-        if not label.startswith("ZeroOneAdam") or "1bitA" in label or "syncB" in label:
+        if label == "Local":
+            assert e["replicas_identical"] is False and e["bytes_per_step"] == 0
+        elif not label.startswith("ZeroOneAdam") or "1bitA" in label or "syncB" in label:
             assert e["replicas_identical"] is True, label
+    # DiLoCo H = 50 over 50 timed steps: one sync of each fragment, counted without finish()'s
+    n_sync = 2 * (N - 1) / N * (numel // 8)  # the signs of one 1-bit sync of the whole model
+    for label in ("DiLoCo-onebit-H50", "DiLoCo-onebit-H50-P4-d4"):
+        assert v[label]["timed_steps"] == 50
+        assert n_sync / 50 <= v[label]["bytes_per_step"] <= 1.2 * n_sync / 50 + 200, label
     # phases: 1bitA stays in phase A and sends 1-bit rounds; syncB syncs at every timed step
     assert v["ZeroOneAdam-1bitA"]["stage"] == "phaseA"
     assert v["ZeroOneAdam-1bitA"]["timed_1bit_rounds"] > 0
