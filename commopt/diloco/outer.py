@@ -118,10 +118,11 @@ class DiLoCo:
         topology: ``"flat"``, or ``"hierarchical"``: every step averages gradients inside the
             node at fp32, so a node is one DiLoCo worker, and the sync crosses nodes through the
             hierarchical 1-bit exchange (``"none"``/``"bf16"`` average over all ranks).
-        scale: ``"onebit"`` only: one 1-bit scale for the whole fragment (``"fragment"``,
-            default: SPEC §1 over one fused buffer, 4 collectives per sync) or one per
-            parameter tensor (``"tensor"``: an exchange per tensor, 4 collectives each, so a
-            layer whose Δ is small is not sent as ±the scale of a large one).
+        scale: ``"onebit"`` only: one 1-bit scale per parameter tensor (``"tensor"``,
+            default: an exchange per tensor, 4 collectives each, so a layer whose Δ is small is
+            not sent as ±the scale of a large one; docs/algorithms/diloco.md measured it) or one
+            for the whole fragment (``"fragment"``: SPEC §1 over one fused buffer, 4 collectives
+            per sync, for models of many tensors on links where latency counts).
         backend: where to communicate; ``None`` resolves as for the optimizers.
     """
 
@@ -138,7 +139,7 @@ class DiLoCo:
         delay: int = 0,
         warmup_steps: int = 0,
         topology: Literal["flat", "hierarchical"] = "flat",
-        scale: Literal["tensor", "fragment"] = "fragment",
+        scale: Literal["tensor", "fragment"] = "tensor",
         backend: Backend | None = None,
     ) -> None:
         if not isinstance(inner, torch.optim.Optimizer):

@@ -31,7 +31,7 @@ Variants (labels as they appear in every table):
   (``none``, ``bf16``, ``onebit``), ``sync_every`` K, F fragments, delay D, W warmup steps;
   outer step the compression's default, or the paper's Nesterov (lr 0.7, momentum 0.9), or
   plain averaging (lr 1, no momentum); R overrides the outer lr; ``-tensor``: one 1-bit scale
-  per tensor (``scale="tensor"``; default one per fragment).
+  per tensor (``scale="tensor"``, commopt's default), without it one per fragment.
   :func:`is_variant` accepts these labels (they are not in :data:`ALL_VARIANTS`).
 
 Traffic model, the same for every variant: a ring all_reduce of B bytes costs one rank

@@ -40,9 +40,10 @@ OUT = pathlib.Path(__file__).parent / "results"
 def default_variants(sync_every: list[int]) -> list[str]:
     """The issue's rows: the per-step baselines, each compression at each H, streaming."""
     rows = ["Adam", "OnebitAdam", "ZeroOneAdam"]
-    for c in ("none", "bf16", "onebit"):
+    for c in ("none", "bf16"):
         rows += [f"DiLoCo-{c}-H{h}" for h in sync_every]
-    return [*rows, "DiLoCo-onebit-H50-P4"]
+    rows += [f"DiLoCo-onebit-H{h}-tensor" for h in sync_every]  # commopt's default scale
+    return [*rows, "DiLoCo-onebit-H50-P4-tensor"]
 
 
 def _h(label: str) -> str | None:
