@@ -13,9 +13,9 @@ the new anchor (Douillard et al., 2023, arXiv:2311.08105):
     θ_r ← θ̄.
 
 With ``compression="onebit"`` the average is SPEC §1's error-compensated exchange, its worker
-and server errors kept per rank from one sync to the next; the outer default is then plain
-averaging (η_out = 1, μ = 0), where error feedback does the work of the outer momentum
-(docs/algorithms/diloco.md has the experiment behind each default).
+and server errors kept per rank from one sync to the next; the outer default is a slightly
+extrapolated average without momentum (η_out = 1.3, μ = 0): error feedback does the work of the
+outer momentum (docs/algorithms/diloco.md has the experiment behind each default).
 """
 
 from __future__ import annotations
@@ -72,9 +72,9 @@ class Progress:
 
 #: (outer_lr, outer_momentum) per compression when not given (docs/algorithms/diloco.md)
 OUTER_DEFAULTS: dict[str, tuple[float, float]] = {
-    "onebit": (1.0, 0.0),
-    "none": (1.0, 0.0),
-    "bf16": (1.0, 0.0),
+    "onebit": (1.3, 0.0),
+    "none": (1.3, 0.0),
+    "bf16": (1.3, 0.0),
 }
 
 

@@ -88,7 +88,7 @@ def test_one_process_fp32_plain_averaging_lands_on_the_inner_optimizers_weights(
     ref_model = _model()
     ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-2)
     _train(ref_model, ref, range(1, 9))
-    model, opt = _make(compression="none")
+    model, opt = _make(compression="none", outer_lr=1.0)  # plain averaging
     _train(model, opt, range(1, 9))
     for a, b in zip(model.parameters(), ref_model.parameters(), strict=True):
         # θ̄ − (θ̄ − θ) may round by an ulp of θ̄
