@@ -16,6 +16,8 @@ t = W + o_p + k·H, k ≥ 0, with o_p = ⌊(p+1)·H/P⌋: with P = 1, every H st
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from commopt.diloco.averages import PseudoGradientAverage
@@ -66,6 +68,8 @@ class Fragment:
         per_tensor: bool,
     ) -> None:
         self.params = params
+        #: where each parameter starts in the flat buffers
+        self.offsets = [0, *itertools.accumulate(p.numel() for p in params)][:-1]
         self.numel = sum(p.numel() for p in params)
         device = params[0].device
         self.anchor = torch.zeros(self.numel, dtype=torch.float32, device=device)
@@ -75,10 +79,7 @@ class Fragment:
         #: per tensor), or the whole fragment
         self.segments = [(0, self.numel)]
         if per_tensor:
-            offsets = [0]
-            for p in params[:-1]:
-                offsets.append(offsets[-1] + p.numel())
-            self.segments = [(o, p.numel()) for o, p in zip(offsets, params, strict=True)]
+            self.segments = [(o, p.numel()) for o, p in zip(self.offsets, params, strict=True)]
         #: the average's per-rank state (error buffers), one dict per segment
         self.states = [
             {
@@ -90,11 +91,10 @@ class Fragment:
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """``flat`` cut into one view per parameter, shaped like it."""
-        out, offset = [], 0
-        for p in self.params:
-            out.append(flat[offset : offset + p.numel()].view(p.shape))
-            offset += p.numel()
-        return out
+        return [
+            flat[o : o + p.numel()].view(p.shape)
+            for o, p in zip(self.offsets, self.params, strict=True)
+        ]
 
     @torch.no_grad()
     def gather_params_(self, out: torch.Tensor) -> torch.Tensor:
