@@ -22,6 +22,7 @@ none, is the one that stopped. ``commopt.init(timeout=...)`` installs the watchd
 from __future__ import annotations
 
 import atexit
+import datetime
 import logging
 import os
 import sys
@@ -35,7 +36,14 @@ import torch
 from commopt.comm.base import ReduceOp
 from commopt.comm.env import launched_by_mpi
 
-__all__ = ["EXIT_CODE", "CollectiveError", "close_watchdogs", "watch"]
+__all__ = [
+    "EXIT_CODE",
+    "CollectiveError",
+    "close_watchdogs",
+    "group_timeout",
+    "watch",
+    "watch_like",
+]
 
 B = TypeVar("B")
 
@@ -91,6 +99,11 @@ class _Watched:
     def watchdog_timeout(self) -> float:
         """Seconds a collective may take before this rank gives up."""
         return self._wd_timeout
+
+    @property
+    def watchdog_grace(self) -> float:
+        """Extra seconds the backend's own timeout gets before the watchdog ends the process."""
+        return self._wd_grace
 
     # -- the guard -------------------------------------------------------------------------
     def _describe(self, op: str, seq: int, nbytes: int) -> str:
@@ -327,3 +340,25 @@ def watch(backend: B, timeout: float, *, grace: float | None = None) -> B:
         backend.__class__ = sub
     backend.arm_watchdog(timeout, grace)  # type: ignore[attr-defined]
     return backend
+
+
+def watch_like(parent: object, child: B) -> B:
+    """``child`` guarded exactly as ``parent`` is (same timeout and grace); unchanged when
+    ``parent`` is not watched.
+
+    For the backends commopt carves out of the user's one (a node's group, the cross-node group,
+    a channel): a collective on them must end within the same ``init()`` timeout as one on the
+    backend they came from.
+    """
+    if not isinstance(parent, _Watched) or getattr(child, "world_size", 1) == 1:
+        return child
+    return watch(child, parent.watchdog_timeout, grace=parent.watchdog_grace)
+
+
+def group_timeout(backend: object) -> datetime.timedelta | None:
+    """The timeout a process group made for ``backend``'s ranks must have: its watchdog's
+    (``None``, torch's default, when it is not watched). ``dist.new_group`` does not inherit
+    the default group's timeout, so without it gloo would wait its own 30 minutes."""
+    if not isinstance(backend, _Watched):
+        return None
+    return datetime.timedelta(seconds=backend.watchdog_timeout)

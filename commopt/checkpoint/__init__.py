@@ -244,18 +244,58 @@ def _read_verified(path: str, name: str, manifest: Mapping[str, Any]) -> Any:
         raise CheckpointError(f"{name} in {path!r} cannot be read: {err}") from err
 
 
+def _optimizer_state(
+    shared: dict[str, Any],
+    shard: dict[str, Any],
+    manifest: Mapping[str, Any],
+    saved_n: int,
+    n: int,
+    rank: int,
+    path: str,
+) -> tuple[dict[str, Any], str | None]:
+    """The optimizer's state dict put back together from the shared file and this rank's shard,
+    and the warning for a changed world size (None when it is the same)."""
+    opt_sd: dict[str, Any] = shared["optimizer"]
+    for idx, st in shard["optimizer_state"].items():
+        opt_sd["state"].setdefault(idx, {}).update(st)
+    comm = shard["commopt"]
+    warning = None
+    if saved_n != n:
+        per_rank = manifest["per_rank"]
+        n_per_rank = len(per_rank["model"]) + len(per_rank["optimizer"])
+        warning = (
+            f"checkpoint {path!r} was saved at world size {saved_n} and is loaded at {n}: the "
+            "per-rank error buffers are reset to zero"
+            + (
+                f", {n_per_rank} tensor(s) that differed between ranks are taken from rank 0's "
+                "shard"
+                if n_per_rank
+                else ""
+            )
+            + ", the extra values are rank 0's; everything else is restored exactly"
+        )
+        if comm is not None:
+            comm = {**comm, "world_size": n, "rank": rank, "buckets": []}
+    if comm is not None:
+        opt_sd["commopt"] = comm
+    return opt_sd, warning
+
+
 def load_checkpoint(
     path: str | os.PathLike[str],
     model: torch.nn.Module | None,
     optimizer: torch.optim.Optimizer,
     *,
     backend: Backend | None = None,
+    allow_config_change: bool = False,
 ) -> dict[str, Any]:
     """Restore ``model`` and ``optimizer`` from a :func:`save_checkpoint` directory.
 
-    Collective: every rank calls it. Everything is read and verified first; the ranks agree
-    that all of them succeeded, and only then is anything changed, so a bad checkpoint raises
-    on every rank and leaves the model and optimizer as they were.
+    Collective: every rank calls it. Everything is read and verified first, including whether
+    the optimizer accepts its state (a commopt optimizer's ``check_state_dict``: the schedule,
+    the bucket layout); the ranks agree that all of them succeeded, and only then is anything
+    changed, so a refused checkpoint raises on every rank and leaves the model and optimizer
+    bitwise as they were.
 
     Args:
         path: the checkpoint directory.
@@ -263,6 +303,8 @@ def load_checkpoint(
         optimizer: an optimizer of the type that saved the checkpoint, over parameters of the
             same shapes.
         backend: where to communicate; default the optimizer's backend.
+        allow_config_change: passed to a commopt optimizer's ``load_state_dict``: resume under
+            this optimizer's config (say another ``freeze_step``) on purpose, with a warning.
 
     Returns:
         The ``extra`` keyword arguments given to :func:`save_checkpoint` on this rank (on
@@ -270,8 +312,9 @@ def load_checkpoint(
 
     Raises:
         CheckpointError: missing directory or manifest, another optimizer type, mismatched
-            parameter or model shapes, a missing, truncated or corrupt shard — on every rank,
-            with the failing rank's reason.
+            parameter or model shapes, a missing, truncated or corrupt shard, an optimizer
+            state the optimizer refuses (another schedule, another ``bucket_numel``) — on every
+            rank, with the failing rank's reason.
     """
     be = _backend_of(optimizer, backend)
     rank, n = be.rank, be.world_size
@@ -291,6 +334,20 @@ def load_checkpoint(
         source = rank if saved_n == n else 0
         shared = _read_verified(path, SHARED_NAME, manifest)
         shard = _read_verified(path, shard_name(source, saved_n), manifest)
+        opt_sd, warning = _optimizer_state(shared, shard, manifest, saved_n, n, rank, path)
+        check = getattr(optimizer, "check_state_dict", None)  # commopt's: dry-run the load
+        if check is not None:
+            try:
+                check(opt_sd, allow_config_change=allow_config_change)
+            except ValueError as err:
+                raise CheckpointError(
+                    f"{path!r} cannot be loaded into this optimizer (nothing was changed): {err}"
+                ) from err
+        elif allow_config_change:
+            raise TypeError(
+                "allow_config_change applies to commopt optimizers; "
+                f"{type(optimizer).__name__} has no config to change"
+            )
     except Exception as err:
         error = err
     failed = _agree_ok(be, error is None)
@@ -304,33 +361,17 @@ def load_checkpoint(
             "nothing was changed"
         )
 
-    # Everyone verified its files: apply.
-    opt_sd: dict[str, Any] = shared["optimizer"]
-    for idx, st in shard["optimizer_state"].items():
-        opt_sd["state"].setdefault(idx, {}).update(st)
-    comm = shard["commopt"]
-    per_rank = manifest["per_rank"]
-    if saved_n != n:
-        n_per_rank = len(per_rank["model"]) + len(per_rank["optimizer"])
-        warnings.warn(
-            f"checkpoint {path!r} was saved at world size {saved_n} and is loaded at {n}: the "
-            "per-rank error buffers are reset to zero"
-            + (
-                f", {n_per_rank} tensor(s) that differed between ranks are taken from rank 0's "
-                "shard"
-                if n_per_rank
-                else ""
-            )
-            + ", the extra values are rank 0's; everything else is restored exactly",
-            stacklevel=2,
-        )
-        if comm is not None:
-            comm = {**comm, "world_size": n, "rank": rank, "buckets": []}
-    if comm is not None:
-        opt_sd["commopt"] = comm
+    # Every rank verified its files and its optimizer accepts the state: apply, the optimizer
+    # first (it validated; torch's own optimizers validate before they change anything), then
+    # the model, whose keys and shapes were checked against the manifest.
+    if warning is not None:
+        warnings.warn(warning, stacklevel=2)
+    if check is not None:
+        load = optimizer.load_state_dict
+        load(opt_sd, allow_config_change=allow_config_change)  # type: ignore[call-arg]
+    else:
+        optimizer.load_state_dict(opt_sd)
     if model is not None:
-        model_sd = {**shared["model"], **shard["model"]}
-        model.load_state_dict(model_sd)
-    optimizer.load_state_dict(opt_sd)
+        model.load_state_dict({**shared["model"], **shard["model"]})
     logger.info("rank %d: checkpoint loaded from %s (saved at world size %d)", rank, path, saved_n)
     return dict(shard["extra"])

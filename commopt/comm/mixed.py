@@ -199,8 +199,9 @@ class MixedBackend:
         try:
             local: str | None = canonical_json(load_table(table))
             problem = ""
-        except (ValueError, TypeError) as err:
-            local, problem = None, str(err)
+        except Exception as err:  # whatever it is, every rank must hear of it (or none waits)
+            local = None
+            problem = str(err) if isinstance(err, (ValueError, TypeError)) else repr(err)
         if self.world_size == 1:
             if local is None:
                 raise ValueError(problem)

@@ -60,11 +60,15 @@ def load_table(source: Mapping[str, Any] | str | os.PathLike[str]) -> dict[str, 
     """Read a table from a dict (copied) or a JSON file; no validation beyond "it is an object".
 
     Raises:
-        ValueError: the file is missing, is not JSON, or holds something other than an object.
+        ValueError: the file is missing or unreadable (a directory, no permission), is not
+            JSON, is nested too deeply to parse, or holds something other than an object.
         TypeError: ``source`` is neither a mapping nor a path.
     """
     if isinstance(source, Mapping):
-        return json.loads(json.dumps(dict(source)))  # deep copy, and proves it is JSON-able
+        try:
+            return json.loads(json.dumps(dict(source)))  # deep copy, and proves it is JSON-able
+        except RecursionError:
+            raise ValueError("selection table is nested too deeply to be one") from None
     if not isinstance(source, (str, os.PathLike)):
         raise TypeError(
             f"table must be a dict or a path to a JSON file, got {type(source).__name__}"
@@ -79,6 +83,10 @@ def load_table(source: Mapping[str, Any] | str | os.PathLike[str]) -> dict[str, 
         ) from None
     except json.JSONDecodeError as err:
         raise ValueError(f"selection table {path!r} is not valid JSON: {err}") from None
+    except OSError as err:  # a directory, no permission, an I/O error
+        raise ValueError(f"selection table {path!r} cannot be read: {err}") from None
+    except RecursionError:
+        raise ValueError(f"selection table {path!r} is nested too deeply to be one") from None
     if not isinstance(data, dict):
         raise ValueError(
             f"selection table {path!r} must hold a JSON object, got {type(data).__name__}"

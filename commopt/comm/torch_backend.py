@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import datetime
+
 import torch
 import torch.distributed as dist
 
@@ -60,7 +62,11 @@ class TorchBackend:
             return True
         if self.group is not None and self.group != dist.group.WORLD:
             return False
-        self._channels[name] = dist.new_group()
+        # new_group does not inherit the default group's timeout (gloo would wait 30 min): give
+        # it this backend's watchdog timeout (commopt.faults.watch), when it has one.
+        seconds = getattr(self, "watchdog_timeout", None)
+        timeout = None if seconds is None else datetime.timedelta(seconds=seconds)
+        self._channels[name] = dist.new_group(timeout=timeout)
         return True
 
     def close_channel(self, name: str) -> None:

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from commopt.comm import Backend, MpiBackend, TorchBackend
 from commopt.comm.shm_backend import SharedMemoryBackend, shared_memory_usable
 from commopt.exchange.topology import Topology
+from commopt.faults import group_timeout, watch_like
 
 __all__ = ["SharedMemory", "build_level_backends", "check_level_backends", "wants_shared_memory"]
 
@@ -62,9 +63,17 @@ def build_level_backends(
     """(local, cross) backends carved out of the global one (collective, every rank).
 
     With ``shared_memory``, the local level of a TorchBackend is a SharedMemoryBackend whose
-    barriers (and small messages) run on the node's process group.
+    barriers (and small messages) run on the node's process group. The ranks of each node
+    must agree on ``shared_memory`` (``ValueError`` on every rank otherwise: half a node in
+    shared memory and half over gloo would wait for each other without end).
+
+    Both levels end a collective within the same time as ``backend``: their process groups get
+    its watchdog timeout, and they are watched like it (:func:`commopt.faults.watch_like`).
     """
     if isinstance(backend, TorchBackend):
+        _agree_on_shared_memory(backend, topo, shared_memory)
+        timeout = group_timeout(backend)
+
         # dist.new_group must be called by every rank of the default group, for every group, in
         # the same order: all nodes first, then all cross sets.
         def global_rank(r: int) -> int:
@@ -72,30 +81,54 @@ def build_level_backends(
 
         local_group = cross_group = None
         for i, ranks in enumerate(topo.nodes):
-            group = dist.new_group([global_rank(r) for r in ranks], backend=backend.engine)
+            group = dist.new_group(
+                [global_rank(r) for r in ranks], backend=backend.engine, timeout=timeout
+            )
             if i == topo.node:
                 local_group = group
         for j in range(topo.local_size):
             ranks = [node[j] for node in topo.nodes]
-            group = dist.new_group([global_rank(r) for r in ranks], backend=backend.engine)
+            group = dist.new_group(
+                [global_rank(r) for r in ranks], backend=backend.engine, timeout=timeout
+            )
             if j == topo.local_rank:
                 cross_group = group
-        local: Backend = TorchBackend(local_group)
+        # A shared-memory level blocks only in its helper's collectives: watching the helper
+        # guards it (and its reduce_scatter_mean_, which no wrapper knows).
+        local: Backend = watch_like(backend, TorchBackend(local_group))
         if shared_memory:
             local = SharedMemoryBackend(local)
-        return local, TorchBackend(cross_group)
+        return local, watch_like(backend, TorchBackend(cross_group))
     if isinstance(backend, MpiBackend):
         local_comm = backend.comm.Split(topo.node, topo.local_rank)
         cross_comm = backend.comm.Split(topo.local_rank, topo.node)
         return (
-            MpiBackend(local_comm, cuda_aware=backend.cuda_aware),
-            MpiBackend(cross_comm, cuda_aware=backend.cuda_aware),
+            watch_like(backend, MpiBackend(local_comm, cuda_aware=backend.cuda_aware)),
+            watch_like(backend, MpiBackend(cross_comm, cuda_aware=backend.cuda_aware)),
         )
     raise TypeError(
         f"HierarchicalExchange cannot split a {type(backend).__name__} into node and cross-node "
         "groups by itself: pass local_backend= and cross_backend= (e.g. MpiBackend on a "
         "COMM_TYPE_SHARED communicator inside, TorchBackend on a process group across)"
     )
+
+
+def _agree_on_shared_memory(backend: Backend, topo: Topology, shared_memory: bool) -> None:
+    """Raise ``ValueError`` on every rank when the ranks of some node disagree on it."""
+    flags = torch.empty(backend.world_size, dtype=torch.int64)
+    backend.all_gather(flags, torch.tensor([int(shared_memory)], dtype=torch.int64))
+    split = [ranks for ranks in topo.nodes if len({int(flags[r]) for r in ranks}) > 1]
+    if split:
+        detail = "; ".join(
+            f"node of ranks {list(ranks)}: "
+            + ", ".join(f"rank {r} {bool(flags[r])}" for r in ranks)
+            for ranks in split
+        )
+        raise ValueError(
+            "the ranks of a node disagree on using shared memory for the node's level "
+            f"(shared_memory, or {_ENV} in their environment): {detail}. Set the same on every "
+            "rank of a node"
+        )
 
 
 def check_level_backends(backend: Backend, topo: Topology, local: Backend, cross: Backend) -> None:

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from commopt.comm import Backend
+from commopt.optim._settings import check_same_settings, settings_items, settings_key
 from commopt.optim._warnings import warn_averaged_already
 
 __all__ = [
@@ -27,6 +28,7 @@ __all__ = [
     "describe_param",
     "left_untouched",
     "model_key",
+    "nonfinite_ranks",
 ]
 
 
@@ -103,6 +105,14 @@ def _all_finite(t: torch.Tensor) -> bool:
     return bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all())
 
 
+def nonfinite_ranks(backend: Backend, tensors: Sequence[torch.Tensor]) -> list[int]:
+    """The ranks where some of ``tensors`` holds an inf or NaN (collective: one all-gather)."""
+    bad = any(not _all_finite(t) for t in tensors)
+    flags = torch.empty(backend.world_size, dtype=torch.int64)
+    backend.all_gather(flags, torch.tensor([int(bad)], dtype=torch.int64))
+    return [r for r, f in enumerate(flags.tolist()) if f]
+
+
 def describe_param(param_groups: Sequence[dict[str, Any]], flat_index: int) -> str:
     """``param_groups[g]['params'][i]`` for a parameter's flat index (for the messages)."""
     for gi, g in enumerate(param_groups):
@@ -130,6 +140,11 @@ class GradientVerdict:
     identical: bool = False
     """Asked for (``digest=True``) on several ranks: every rank's gradients are bit for bit
     the same (a digest of their bits agrees), which is what DDP leaves after its own average."""
+    same_settings: bool = True
+    """Every rank passed the same hyperparameter digest (False: locate the difference)."""
+
+
+_HEAD = 9  # flags before the per-parameter ones in agree_on_gradients
 
 
 def gradient_digest(params: Sequence[torch.Tensor]) -> int:
@@ -165,9 +180,12 @@ def agree_on_gradients(
     width: int,
     digest: bool = False,
     redo: bool = False,
+    settings: int = 0,
 ) -> GradientVerdict:
-    """Agree in one all-reduce (max) of 7 + ``width`` integers on: the model (``key``, from
-    :func:`model_key`), sparse gradients, non-finite gradients, and which of the first
+    """Agree in one all-reduce (max) of 9 + ``width`` integers on: the model (``key``, from
+    :func:`model_key`), the hyperparameters (``settings``, from
+    :func:`~commopt.optim._settings.settings_key`), sparse gradients, non-finite gradients, and
+    which of the first
     ``width`` parameters have a gradient somewhere. ``width`` is the parameter count all ranks
     last agreed on, so the message has the same size on every rank even when one rank has
     added a param group since; the caller re-checks the model when ``same_model`` is False or
@@ -177,13 +195,13 @@ def agree_on_gradients(
     ``redo``: this rank wants the step's early work redone (any rank's wish holds for all)."""
     sparse_at = None
     nonfinite = False
-    flags = torch.zeros(7 + width, dtype=torch.int64)
+    flags = torch.zeros(_HEAD + width, dtype=torch.int64)
     for i, p in enumerate(params):
         g = p.grad
         if g is None:
             continue
         if i < width:
-            flags[7 + i] = 1
+            flags[_HEAD + i] = 1
         if g.is_sparse:
             sparse_at = sparse_at or describe(i)
         elif not nonfinite and not _all_finite(g):
@@ -192,15 +210,22 @@ def agree_on_gradients(
     several = collective and backend.world_size > 1
     h = gradient_digest(params) if digest and several else 0
     flags[4], flags[5], flags[6] = h, -h, int(redo)
+    flags[7], flags[8] = settings, -settings
     if several:
         backend.all_reduce(flags, "max")
     if flags[0] and sparse_at is None:
         sparse_at = f"a parameter on another rank (not rank {backend.rank})"
-    without = (flags[7:] == 0).nonzero().squeeze(1).tolist()
+    without = (flags[_HEAD:] == 0).nonzero().squeeze(1).tolist()
     same = bool(flags[2] == -flags[3])
     identical = bool(h != 0 and flags[4] == -flags[5])
     return GradientVerdict(
-        same, sparse_at, bool(flags[1]), tuple(int(i) for i in without), bool(flags[6]), identical
+        same,
+        sparse_at,
+        bool(flags[1]),
+        tuple(int(i) for i in without),
+        bool(flags[6]),
+        identical,
+        same_settings=bool(flags[7] == -flags[8]),
     )
 
 
@@ -237,10 +262,13 @@ class GradientAgreement:
 
     Args:
         name: the optimizer's class name, for the messages.
+        config: the optimizer's config, whose fields the ranks agree on with the param groups'
+            options (:mod:`commopt.optim._settings`).
     """
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, config: Any = None) -> None:
         self.name = name
+        self.config = config
         self.agreed_count: int | None = None
         self._key: tuple[tuple[int, ...], int] | None = None  # (param ids, model_key)
         #: communicating steps that still check whether the gradients are already identical
@@ -286,15 +314,16 @@ class GradientAgreement:
             self._key = (ids, model_key(params))
         key = self._key[1]
         width = self.agreed_count
-        verdict = agree_on_gradients(
-            backend, params, describe, collective, key, width, digest, redo
-        )
+        items = [] if self.config is None else settings_items(self.config, param_groups)
+        settings = settings_key(items) if collective and backend.world_size > 1 else 0
+        agree = functools.partial(agree_on_gradients, backend, params, describe, collective, key)
+        verdict = agree(width, digest, redo, settings)
         if collective and (not verdict.same_model or len(params) != self.agreed_count):
             check_same_model(backend, params, describe)  # raises on every rank
             self.agreed_count = len(params)  # every rank added the same group: agree again
-            verdict = agree_on_gradients(
-                backend, params, describe, collective, key, self.agreed_count, digest, redo
-            )
+            verdict = agree(self.agreed_count, digest, redo, settings)
+        if collective and not verdict.same_settings:
+            check_same_settings(backend, items, self.name)  # raises on every rank
         if verdict.sparse_at is not None:
             raise RuntimeError(
                 f"{self.name} does not support sparse gradients (found at "

@@ -13,10 +13,10 @@ from typing import Any
 
 import torch
 
-from commopt.buckets import build_buckets
+from commopt.buckets import Bucket, build_buckets
 from commopt.comm import Backend
 from commopt.exchange import Exchange
-from commopt.optim._resume import restore_comm
+from commopt.optim._resume import check_bucket_numels, restorable_buckets, restore_comm
 from commopt.optim.flat_state import FlatState
 
 __all__ = ["BucketLayout"]
@@ -59,13 +59,8 @@ class BucketLayout:
         """Buckets and their state; a bucket whose parameters are unchanged keeps its exchange
         buffers, and loaded ones are restored into the new buckets."""
         keep = {tuple(id(p) for p in s.bucket.params): s for s in self.states or []}
-        starts = [
-            gi
-            for gi, g in enumerate(param_groups)
-            if gi and g["first_step"] != param_groups[gi - 1]["first_step"]
-        ]
         states = []
-        for bucket in build_buckets(param_groups, bucket_numel, starts):
+        for bucket in _buckets(param_groups, bucket_numel):
             state = FlatState(
                 bucket,
                 param_state,
@@ -85,6 +80,29 @@ class BucketLayout:
         self.states = states
         return states
 
+    def check_loadable(
+        self,
+        saved_groups: list[dict[str, Any]],
+        loaded: dict[str, Any] | None,
+        param_groups: list[dict[str, Any]],
+        param_state: Any,
+        bucket_numel: int | None,
+        exchange: Exchange,
+        backend: Backend,
+    ) -> None:
+        """ValueError now, not at the next step, when the exchange buffers of ``loaded`` (a
+        state dict's ``"commopt"`` entry) would not fit the buckets that ``param_groups`` with
+        the ``first_step`` of ``saved_groups`` lay out (the rest: :meth:`lay_out`'s)."""
+        del param_state
+        if not restorable_buckets(loaded, backend, exchange.name):
+            return
+        groups = [
+            {**g, "first_step": s.get("first_step", 0)}
+            for g, s in zip(param_groups, saved_groups, strict=True)
+        ]
+        numels = [b.numel for b in _buckets(groups, bucket_numel)]
+        check_bucket_numels(loaded or {}, numels, self.name)
+
     def forget(self, loaded: dict[str, Any] | None) -> None:
         """Drop the buckets (state was loaded: laid out anew at the next use); ``loaded``, the
         state dict's ``"commopt"`` entry, is restored into them then."""
@@ -98,3 +116,13 @@ class BucketLayout:
         if self.pending is not None and not buckets:
             buckets = self.pending.get("buckets", [])
         return buckets
+
+
+def _buckets(param_groups: list[dict[str, Any]], bucket_numel: int | None) -> list[Bucket]:
+    """The buckets of ``param_groups``: a group that joined at another step starts a new one."""
+    starts = [
+        gi
+        for gi, g in enumerate(param_groups)
+        if gi and g["first_step"] != param_groups[gi - 1]["first_step"]
+    ]
+    return build_buckets(param_groups, bucket_numel, starts)

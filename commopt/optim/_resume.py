@@ -24,8 +24,10 @@ from commopt.optim.config import check_config_change
 from commopt.optim.flat_state import FlatState
 
 __all__ = [
+    "check_bucket_numels",
     "commopt_entry",
     "keep_state_dtypes",
+    "restorable_buckets",
     "restore_comm",
     "split_commopt_entry",
     "upgrade_zero_one_groups",
@@ -70,11 +72,28 @@ def saved_optimizer(comm: dict[str, Any]) -> str | None:
 
 
 def split_commopt_entry(
-    state_dict: dict[str, Any], config: Any, name: str, allow_config_change: bool
+    state_dict: dict[str, Any],
+    config: Any,
+    name: str,
+    allow_config_change: bool,
+    param_groups: list[dict[str, Any]],
 ) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """torch's part of ``state_dict`` and its ``"commopt"`` entry (None: saved by torch or
     without one), after checking the saved config against ``config``
-    (:func:`~commopt.optim.config.check_config_change`)."""
+    (:func:`~commopt.optim.config.check_config_change`) and the saved groups' sizes against
+    ``param_groups`` (torch's own check, made here so that it comes before any other change)."""
+    saved_groups = state_dict.get("param_groups", [])
+    if len(saved_groups) != len(param_groups):
+        raise ValueError(
+            f"{name}.load_state_dict: the state dict has {len(saved_groups)} parameter "
+            f"group(s), this optimizer {len(param_groups)}"
+        )
+    sizes = [len(g["params"]) for g in saved_groups], [len(g["params"]) for g in param_groups]
+    if sizes[0] != sizes[1]:
+        raise ValueError(
+            f"{name}.load_state_dict: the state dict's parameter groups hold {sizes[0]} "
+            f"parameters, this optimizer's {sizes[1]}"
+        )
     state_dict = dict(state_dict)
     comm = state_dict.pop("commopt", None)
     saved_by = None if comm is None else saved_optimizer(comm)
@@ -98,10 +117,43 @@ def restore_comm(
 ) -> None:
     """This rank's exchange buffers from a state dict, or zeros with one warning when they
     belong to another world size, rank or exchange (never another rank's buffers)."""
-    be = backend
     saved = comm.get("buckets", [])
     if not saved:  # saved before the first step, or reset on purpose: errors stay zero
         return
+    reason = _not_restorable(comm, backend, exchange_name)
+    if reason is not None:
+        warnings.warn(
+            f"{name}: this rank's error-feedback buffers were {reason}; they "
+            "are reset to zero (everything else is restored)",
+            stacklevel=4,
+        )
+        return
+    check_bucket_numels(comm, [s.bucket.numel for s in states], name)
+    for state, entry in zip(states, saved, strict=True):
+        state.load_comm_state_dict(entry)
+
+
+def check_bucket_numels(comm: dict[str, Any], numels: list[int], name: str) -> None:
+    """ValueError when ``comm``'s saved exchange buffers do not fit buckets of ``numels``."""
+    saved = [b["numel"] for b in comm.get("buckets", [])]
+    if saved and saved != numels:
+        raise ValueError(
+            f"{name}.load_state_dict: the saved exchange buffers do not fit this optimizer's "
+            f"buckets: saved {saved} elements per bucket, here {numels} (another "
+            "bucket_numel, or other parameters): construct it with the saved bucket_numel"
+        )
+
+
+def restorable_buckets(comm: dict[str, Any] | None, backend: Backend, exchange_name: str) -> bool:
+    """Whether :func:`restore_comm` will restore ``comm``'s buffers (not reset them)."""
+    if comm is None or not comm.get("buckets"):
+        return False
+    return _not_restorable(comm, backend, exchange_name) is None
+
+
+def _not_restorable(comm: dict[str, Any], backend: Backend, exchange_name: str) -> str | None:
+    """Why ``comm``'s buffers belong to another rank, world size or exchange (None: they fit)."""
+    be = backend
     reason = None
     if comm.get("world_size") != be.world_size:
         reason = f"saved at world size {comm.get('world_size')}, now {be.world_size}"
@@ -112,21 +164,7 @@ def restore_comm(
         )
     elif comm.get("exchange", "flat") != exchange_name:
         reason = f"saved for the {comm.get('exchange')!r} exchange, now {exchange_name!r}"
-    if reason is not None:
-        warnings.warn(
-            f"{name}: this rank's error-feedback buffers were {reason}; they "
-            "are reset to zero (everything else is restored)",
-            stacklevel=4,
-        )
-        return
-    if [b["numel"] for b in saved] != [s.bucket.numel for s in states]:
-        raise ValueError(
-            "saved bucket layout does not match this optimizer's parameters: saved "
-            f"{[b['numel'] for b in saved]} elements per bucket, have "
-            f"{[s.bucket.numel for s in states]}"
-        )
-    for state, entry in zip(states, saved, strict=True):
-        state.load_comm_state_dict(entry)
+    return reason
 
 
 def keep_state_dtypes(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:

@@ -13,10 +13,12 @@ import torch
 
 __all__ = [
     "log_compression_started",
+    "sync_point_not_finite",
     "warn_at_caller",
     "warn_averaged_already",
     "warn_redone",
     "warn_skipped",
+    "warn_sync_diverged",
 ]
 
 _INTERNAL_DIRS = tuple(
@@ -114,6 +116,19 @@ def log_compression_started(name: str, step: int, rank: int) -> None:
 def warn_sync_diverged() -> None:
     """0/1 Adam: a sync step found non-finite parameters and every rank went back to p_sync."""
     warn_at_caller(
-        "ZeroOneAdam: non-finite parameters at a sync step on at least one rank; every "
+        "ZeroOneAdam: non-finite parameters at a sync step on at least one rank (a replica "
+        "diverged since the last sync: too large a step, or a weight set to inf/NaN); every "
         "rank returns to the last synced parameters there (p = p_sync, m = 0)"
+    )
+
+
+def sync_point_not_finite(ranks: list[int], step: int) -> str:
+    """0/1 Adam: the message when the point a failed sync returns to is not finite itself."""
+    return (
+        f"ZeroOneAdam: step {step} is a sync at which some replica's parameters are inf/NaN, "
+        f"and the last synced parameters (p_sync) or the frozen variance are inf/NaN on "
+        f"rank(s) {ranks} as well, so returning there cannot recover: every later sync would "
+        "fail the same way. They were non-finite before this phase-B interval began (a "
+        "weight set or loaded as inf/NaN, or a full-precision step that overflowed). Resume "
+        "from an earlier checkpoint, and lower the learning rate or find the non-finite weight"
     )

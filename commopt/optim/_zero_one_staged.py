@@ -63,7 +63,7 @@ class SyncSteps:
     sync_bucket: Callable[..., None]
     #: η/(1 − β1^t) per param group: ``step_sizes(step)``
     step_sizes: Callable[[int], list[float]]
-    #: warn that a replica diverged (every rank returns to p_sync)
+    #: a replica diverged, every rank returned to p_sync: count, check p_sync, warn
     diverged: Callable[[], None]
 
 
@@ -174,6 +174,5 @@ class StagedSync:
             gs["lrs"] = [0.0] * len(self._opt.param_groups)
             gs["local_started"] = True
         if diverged:
-            gs["skipped_steps"] += 1
             self._steps.diverged()
         return True

@@ -1,16 +1,16 @@
 """The orchestration every commopt optimizer shares: agree, lay out, run the algorithm, commit.
 
-Each piece it orchestrates owns its state: the buckets' :class:`~.flat_state.FlatState` and
-their layout (:mod:`._layout`), the per-step agreement (:mod:`._agreement`), the backend and its
-exchange (:mod:`._communication`, :mod:`commopt.exchange`), the freeze point (:mod:`.freeze`),
-master weights (:mod:`._precision`), the saved schedule (:mod:`.config`, :mod:`._resume`) and the
-work started during backward (:mod:`.early`). An algorithm subclass names its flat keys and
-implements ``_step(step)`` and ``_early_plan()``."""
+Each piece owns its state: buckets (:mod:`._layout`, :mod:`.flat_state`), agreement
+(:mod:`._agreement`), backend and exchange (:mod:`._communication`), freeze point (:mod:`.freeze`),
+master weights (:mod:`._precision`), saved schedule (:mod:`.config`, :mod:`._resume`), work
+started during backward (:mod:`.early`). A subclass names its flat keys and implements
+``_step(step)`` and ``_early_plan()``."""
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
@@ -84,7 +84,7 @@ class CompressedOptimizer(ConfigAttributes, torch.optim.Optimizer):
         self._layout = BucketLayout(
             type(self).__name__, self._flat_keys, self._lazy_flat_keys, self._scalar_keys
         )
-        self._agreement = GradientAgreement(type(self).__name__)
+        self._agreement = GradientAgreement(type(self).__name__, config)
         self._freeze = FreezePoint(getattr(config, self._freeze_field), self.global_state)
         self._zero_variance_guard = ZeroVarianceGuard(type(self).__name__)
         self._early: EarlyWork | None = None  # work started before step() (commopt.ddp)
@@ -293,9 +293,7 @@ class CompressedOptimizer(ConfigAttributes, torch.optim.Optimizer):
     ) -> float | None:
         collective = self._communicates(step)
         early = self._early  # did what the early work read change? (this rank)
-        why = (
-            None if early is None else early.mismatch or early.reads.stale(step, self.param_groups)
-        )
+        why = early and (early.mismatch or early.reads.stale(step, self.param_groups))
         verdict = self._agreement.verdict(  # may_be_averaged (by DDP) without early work, redo
             self.backend, params, self.param_groups, collective, early is None, why is not None
         )
@@ -339,9 +337,8 @@ class CompressedOptimizer(ConfigAttributes, torch.optim.Optimizer):
         self.global_state["skipped_steps"] += 1
         warn_skipped(type(self).__name__, step, why, collective, self.backend.rank)
 
-    # GradScaler.step(opt) calls step() on every rank, with grad_scale set, instead of skipping
-    # it on the ranks that found an inf locally (which would leave the others waiting in the
-    # step's all-reduce): the agreement on non-finite gradients is ours.
+    # GradScaler.step(opt) calls step() on every rank with grad_scale set, not skipping it where
+    # it found an inf (which would leave others waiting): agreeing on non-finite grads is ours.
     _step_supports_amp_scaling = True
 
     def comm_stats(self) -> dict[str, Any]:
@@ -356,44 +353,48 @@ class CompressedOptimizer(ConfigAttributes, torch.optim.Optimizer):
         """torch's ``state_dict`` plus ``"commopt"``: the config, the shared schedule state, and
         this rank's exchange buffers with the rank and world size they belong to."""
         sd = super().state_dict()
-        buckets = self._layout.comm_state_dicts()
-        sd["commopt"] = commopt_entry(
-            self.config,
-            self.global_state,
-            self.backend,
-            self.exchange.name,
-            buckets,
-            type(self).__name__,
-        )
+        entry = self.config, self.global_state, self.backend, self.exchange.name
+        sd["commopt"] = commopt_entry(*entry, self._layout.comm_state_dicts(), type(self).__name__)
         return sd
 
     def load_state_dict(
         self, state_dict: dict[str, Any], *, allow_config_change: bool = False
     ) -> None:
-        """torch's ``load_state_dict``, checking the schedule and this rank's buffers.
-
-        Raises:
-            ValueError: the saved config (e.g. ``freeze_step``) differs from this optimizer's,
-                which would move the run into another phase; pass ``allow_config_change=True``
-                to resume under this optimizer's config on purpose; or an undecided automatic
-                freeze saved with a smaller ``fraction`` (:meth:`AutoFreeze.load_state_dict`).
-        """
+        """torch's ``load_state_dict`` after :meth:`check_state_dict`: a refusal changes nothing;
+        ``allow_config_change=True`` resumes under this optimizer's config on purpose."""
+        state_dict, comm, global_state, freeze = self._checked(state_dict, allow_config_change)
         if self._early is not None:  # nothing may be in flight on the buffers replaced here
             self._early.drain()
-        state_dict, comm = split_commopt_entry(
-            state_dict, self.config, type(self).__name__, allow_config_change
-        )
-        global_state = self.global_state if comm is None else copy.deepcopy(comm["global"])
-        # the freeze point over the loaded schedule first: a saved automatic-freeze state that
-        # cannot continue under this config is refused before anything is replaced
-        freeze = FreezePoint(self._freeze.value, global_state)
         super().load_state_dict(state_dict)
         for group in self.param_groups:  # state dicts saved before first_step existed
             group.setdefault("first_step", 0)
         keep_state_dtypes(self, state_dict)
         self.global_state = global_state
         self._freeze = freeze
-        # rebuilt from the loaded state at the next use: flat buffers, agreement
-        self._layout.forget(comm)
+        self._layout.forget(comm)  # flat buffers and agreement: rebuilt at the next use
         self._early = None  # nothing staged survives a load
         self._agreement.forget()
+
+    def check_state_dict(
+        self, state_dict: dict[str, Any], *, allow_config_change: bool = False
+    ) -> None:
+        """Raise the ``ValueError`` that :meth:`load_state_dict` would, changing nothing
+        (:func:`commopt.load_checkpoint` asks every rank before anything is written).
+
+        Raises:
+            ValueError: another config (``freeze_step``: another phase), an undecided automatic
+                freeze saved with a smaller ``fraction``, other group sizes, or exchange
+                buffers saved for other buckets (another ``bucket_numel``).
+        """
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # an allowed change is warned about at the load
+            self._checked(state_dict, allow_config_change)
+
+    def _checked(self, state_dict: dict[str, Any], allow: bool) -> tuple[Any, ...]:
+        groups = self.param_groups
+        sd, comm = split_commopt_entry(state_dict, self.config, type(self).__name__, allow, groups)
+        schedule = self.global_state if comm is None else copy.deepcopy(comm["global"])
+        freeze = FreezePoint(self._freeze.value, schedule)  # refuses what cannot continue
+        if comm is not None and comm.get("buckets"):  # (the exchange is built only if needed)
+            self._layout.check_loadable(sd["param_groups"], comm, *self._layout_args())
+        return sd, comm, schedule, freeze

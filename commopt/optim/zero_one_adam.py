@@ -18,9 +18,10 @@ from commopt.optim._adam import (
     variance_denominator,
     variance_level_of,
 )
+from commopt.optim._agreement import nonfinite_ranks
 from commopt.optim._checks import check_group_joins_phase_a
 from commopt.optim._resume import upgrade_zero_one_groups
-from commopt.optim._warnings import warn_sync_diverged
+from commopt.optim._warnings import sync_point_not_finite, warn_sync_diverged
 from commopt.optim._zero_one_schedule import ZeroOneSchedule
 from commopt.optim._zero_one_staged import StagedSync, SyncSteps
 from commopt.optim.base import CompressedOptimizer
@@ -189,9 +190,8 @@ class ZeroOneAdam(CompressedOptimizer):
             local_step_scaler=local_step_scaler,
             local_step_clipper=local_step_clipper,
         )
-        defaults = dict(
-            lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction
-        )
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        defaults["bias_correction"] = bias_correction
         super().__init__(params, defaults, config, backend, topology)
         self._start_schedule()
         self._set_overlap(overlap, bucket_numel)
@@ -203,8 +203,7 @@ class ZeroOneAdam(CompressedOptimizer):
         step = getattr(self, "global_state", {"step": 0})["step"]
         check_group_joins_phase_a(step, self.frozen_after() if "config" in self.__dict__ else None)
         super().add_param_group(param_group)
-        # k of v̂ = v/(1 − β2^k) counts this group's variance updates from here on (the
-        # constructor's groups join before the schedule exists: at 0)
+        # k of v̂ = v/(1 − β2^k) counts its variance updates from here (constructor's: from 0)
         schedule = self.__dict__.get("_schedule")
         k = 0 if schedule is None else schedule.variance_updates()
         self.param_groups[-1].setdefault("variance_offset", k)
@@ -294,7 +293,7 @@ class ZeroOneAdam(CompressedOptimizer):
         """2. a = C((p − p_sync)⊙(√v+ε)) ⊙ mask; m ← −a/s; p ← p_sync + a/(√v+ε); p_sync ← p.
         A bucket whose accumulator is inf/NaN on any rank (a replica diverged) is refused by the
         exchange on every rank alike, before any error buffer changes, and returns to its last
-        synced point everywhere (p ← p_sync, m ← 0): replicas stay identical, with no message."""
+        synced point everywhere (p ← p_sync, m ← 0; :meth:`_diverged`): replicas stay identical."""
         diverged = False
         for state in self.flat_states:
             m, p_sync = state.flat["exp_avg"], state.buffer("p_sync")
@@ -309,8 +308,15 @@ class ZeroOneAdam(CompressedOptimizer):
             state.set_params(acc)
             state.gather_params(p_sync)  # p as stored (bf16 parameters round)
         if diverged:
-            self.global_state["skipped_steps"] += 1
-            warn_sync_diverged()
+            self._diverged()
+
+    def _diverged(self) -> None:
+        """Every rank went back to p_sync: warned, or raised everywhere if p_sync/v is inf/NaN."""
+        self.global_state["skipped_steps"] += 1  # (a later sync would go back there again)
+        flat = [s.flat[k] for s in self.flat_states for k in ("p_sync", "exp_avg_sq")]
+        if bad := nonfinite_ranks(self.backend, flat):
+            raise RuntimeError(sync_point_not_finite(bad, self.global_state["step"]))
+        warn_sync_diverged()
 
     def _sync_bucket_(
         self,
@@ -335,9 +341,10 @@ class ZeroOneAdam(CompressedOptimizer):
             else:  # η was 0 since the last sync: nothing moved, no momentum to recover
                 m[seg.slice].zero_()
         acc.div_(self._frozen_denominator(state))
-        for seg, group in self.segments(state):  # s lr-weighted steps of at most B each
-            where = guarded_elements(self.config.step_guard, state, seg)
-            bound = self._bound(group) * lrs[seg.group]
+        for seg, group in self.segments(state):  # s lr-weighted steps of at most B = step_bound
+            guard = self.config.step_guard
+            where = guarded_elements(guard, state, seg)
+            bound = step_bound(guard, group["betas"], group["bias_correction"]) * lrs[seg.group]
             if where is not None and lrs[seg.group] > 0 and math.isfinite(bound):
                 bound_step_(acc[seg.slice], bound, where)
         acc.add_(p_sync)
@@ -350,10 +357,6 @@ class ZeroOneAdam(CompressedOptimizer):
 
     def _step_sizes(self, step: int) -> list[float]:
         return momentum_step_sizes(self.param_groups, step)
-
-    def _bound(self, group: dict[str, Any]) -> float:
-        """B: the step guard's bound on |m̂/(√v̂ + ε)| (``step_guard.step_bound``)."""
-        return step_bound(self.config.step_guard, group["betas"], group["bias_correction"])
 
     def _adam_update(
         self,
@@ -383,7 +386,7 @@ class ZeroOneAdam(CompressedOptimizer):
             local_update=self._adam_update,
             sync_bucket=self._sync_bucket_,
             step_sizes=self._step_sizes,
-            diverged=warn_sync_diverged,
+            diverged=self._diverged,
         )
         self._staged_sync = StagedSync(self, self._schedule, steps)
 

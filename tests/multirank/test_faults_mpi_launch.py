@@ -97,3 +97,62 @@ def test_mpi_survivor_stops(tmp_path, mode, backend):
         assert "CollectiveError" in output and "(torch backend)" in output, output[-3000:]
         assert "calling MPI_Abort" in output, output[-3000:]
         assert proc.returncode != 1, "rank 0 must end the job (MPI_Abort), not only itself"
+
+
+_MPI_LEVELS_SCRIPT = textwrap.dedent(
+    """
+    import os, sys, time
+    import torch
+    import commopt
+
+    level, timeout = sys.argv[1], float(sys.argv[2])
+    torch.set_num_threads(1)
+    be = commopt.init("mpi", timeout=timeout)
+    # two fake nodes of two ranks: the hierarchical exchange splits MPI_COMM_WORLD in levels
+    local, node = be.rank % 2, be.rank // 2
+    os.environ.update(LOCAL_RANK=str(local), LOCAL_WORLD_SIZE="2", GROUP_RANK=str(node))
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 64)
+    opt = commopt.OnebitAdam(model.parameters(), lr=1e-3, freeze_step=2, topology="hierarchical")
+    for step in range(1, 40):
+        if be.rank == 1 and step == 4:
+            def hang(*args, **kwargs):
+                with open("fault_time", "w") as f:
+                    f.write(repr(time.time()))
+                time.sleep(300)
+            stalled = getattr(opt.exchange, level + "_backend")
+            for name in ("all_reduce", "all_gather", "all_to_all", "broadcast", "barrier"):
+                setattr(stalled, name, hang)
+        opt.zero_grad()
+        model(torch.randn(8, 64)).square().mean().backward()
+        opt.step()
+    print("finished", flush=True)
+    """
+)
+
+
+@pytest.mark.skipif(shutil.which("mpiexec") is None, reason="no mpiexec on PATH")
+@pytest.mark.parametrize("level", ["local", "cross"])
+def test_mpi_rank_stalled_inside_a_hierarchical_level_ends_the_job(tmp_path, level):
+    # Issue #41.1: the level communicators (comm.Split) were not watched; a rank stalled in the
+    # node level left its node waiting there and the other node in the cross level, unbounded.
+    pytest.importorskip("mpi4py", reason="the MPI backend needs mpi4py")
+    if "OMPI_COMM_WORLD_RANK" in os.environ:
+        pytest.skip("already inside an mpiexec job; this test launches its own")
+    script = tmp_path / "levels.py"
+    script.write_text(_MPI_LEVELS_SCRIPT)
+    proc = subprocess.run(
+        ["timeout", "150", "mpiexec", "-n", "4", sys.executable, str(script), level, "3"],
+        capture_output=True,
+        text=True,
+        env=_mpi_env(),
+        cwd=str(tmp_path),
+        timeout=180,
+    )
+    end = time.time()
+    output = proc.stdout + proc.stderr
+    assert proc.returncode not in (0, 124), f"rc={proc.returncode}\n{output[-3000:]}"
+    assert "finished" not in proc.stdout
+    assert "commopt watchdog" in output and "has not completed" in output, output[-3000:]
+    waited = end - float((tmp_path / "fault_time").read_text())
+    assert waited < 3 + 30, (waited, output[-3000:])

@@ -128,6 +128,36 @@ def test_zero_one_sync_with_a_diverged_replica_returns_every_rank_to_the_synced_
         assert torch.equal(res["replicas"][0], res["replicas"][1])
 
 
+def _zero_one_nonfinite_sync_point(backend, overlap: bool):
+    # Issue #41.4: a weight already inf when phase B began made every sync return to an inf
+    # p_sync, at every sync, warning each time the same "returns to the last synced" message.
+    torch.manual_seed(1)
+    w = torch.nn.Parameter(torch.randn(8))
+    opt = ZeroOneAdam(
+        [w], lr=0.01, var_freeze_step=2, local_step_clipper=2, backend=backend, overlap=overlap
+    )
+    for t in range(1, 9):
+        opt.zero_grad()
+        (w * torch.arange(8.0)).sum().backward()  # a finite gradient whatever w holds
+        if t == 1 and backend.rank == 0:
+            w.data[0] = float("inf")
+        try:
+            opt.step()
+        except RuntimeError as err:
+            return t, str(err)
+    return None
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_zero_one_sync_point_that_is_not_finite_raises_on_every_rank(overlap):
+    results = run_ranks(_zero_one_nonfinite_sync_point, 2, overlap, timeout=TIMEOUT)
+    assert results[0] == results[1] and results[0] is not None, results
+    step, message = results[0]
+    assert step == 3, results  # the first sync: phase B's first step
+    assert "ZeroOneAdam: step 3 is a sync" in message and "on rank(s) [0]" in message, message
+    assert "returning there cannot recover" in message, message
+
+
 def _foreign_state_dict(backend):
     w = torch.nn.Parameter(torch.arange(6.0))
     opt = OnebitAdam([w], lr=0.01, freeze_step=1, backend=backend)

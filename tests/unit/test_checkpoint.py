@@ -344,3 +344,91 @@ def test_every_value_the_safe_loader_accepts_round_trips(tmp_path):
     assert loaded["np_rng"] == extra["np_rng"] and loaded["flags"] == extra["flags"]
     assert torch.equal(loaded["nested"]["a"][0], torch.ones(2))
     assert loaded["nested"]["a"][1] == extra["nested"]["a"][1] and loaded["ids"] == {1, 2}
+
+
+def _trained(info, steps: int, **overrides) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    model = _model()
+    opt = info.make(model.parameters(), **overrides)
+    _train(model, opt, range(steps))
+    return model, opt
+
+
+def _everything(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, object]:
+    import copy
+
+    return {"model": copy.deepcopy(model.state_dict()), "opt": copy.deepcopy(opt.state_dict())}
+
+
+@pytest.mark.parametrize("info", OPTIMIZERS, ids=repr)
+def test_a_refused_schedule_changes_nothing_and_its_way_out_passes_through(tmp_path, info):
+    # Issue #41.2: another freeze step was refused by the optimizer after the model had been
+    # overwritten, with a ValueError, and allow_config_change could not be passed.
+    saved_model, saved_opt = _trained(info, info.steps)
+    commopt.save_checkpoint(tmp_path / "ck", saved_model, saved_opt, step=info.steps)
+    freeze = info.config[info.freeze_key] + 1
+    model, opt = _trained(info, 2, freeze=freeze)
+    before = _everything(model, opt)
+    with pytest.raises(
+        CheckpointError,
+        match=rf"cannot be loaded into this optimizer \(nothing was changed\).*"
+        rf"{info.freeze_key}: saved {freeze - 1}, now {freeze}.*allow_config_change=True",
+    ):
+        commopt.load_checkpoint(tmp_path / "ck", model, opt)
+    after = _everything(model, opt)
+    for key, value in before["model"].items():
+        assert torch.equal(value, after["model"][key]), key
+    assert state_dict_diff(before["opt"], after["opt"]) == []
+    with pytest.warns(UserWarning, match="resuming under a changed config"):
+        extra = commopt.load_checkpoint(tmp_path / "ck", model, opt, allow_config_change=True)
+    assert extra == {"step": info.steps}
+    assert getattr(opt, info.freeze_key) == freeze  # the new config, the saved state
+    assert opt.global_state["step"] == info.steps
+    for a, b in zip(_params(saved_model), _params(model), strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("info", OPTIMIZERS, ids=repr)
+def test_another_bucket_numel_is_refused_at_the_load_not_the_next_step(tmp_path, info):
+    saved_model, saved_opt = _trained(info, info.steps, bucket_numel=16)
+    commopt.save_checkpoint(tmp_path / "ck", saved_model, saved_opt)
+    model, opt = _trained(info, 2, bucket_numel=8)
+    before = _everything(model, opt)
+    with pytest.raises(
+        CheckpointError,
+        match=r"nothing was changed.*saved exchange buffers do not fit this optimizer's buckets: "
+        r"saved \[.*\] elements per bucket, here \[.*\] \(another bucket_numel",
+    ):
+        commopt.load_checkpoint(tmp_path / "ck", model, opt)
+    after = _everything(model, opt)
+    for key, value in before["model"].items():
+        assert torch.equal(value, after["model"][key]), key
+    assert state_dict_diff(before["opt"], after["opt"]) == []
+    _train(model, opt, range(2, 4))  # and the refused optimizer still trains
+
+
+def test_allow_config_change_is_refused_for_a_torch_optimizer(tmp_path):
+    model = _model()
+    opt = torch.optim.Adam(model.parameters())
+    _train(model, opt, range(2))
+    commopt.save_checkpoint(tmp_path / "ck", model, opt)
+    with pytest.raises(CheckpointError, match="allow_config_change applies to commopt"):
+        commopt.load_checkpoint(tmp_path / "ck", model, opt, allow_config_change=True)
+
+
+@pytest.mark.parametrize("info", OPTIMIZERS, ids=repr)
+def test_load_state_dict_refuses_before_it_changes_anything(info):
+    # The optimizer's own load is all-or-nothing too (check_state_dict runs first).
+    _, other = _trained(info, info.steps, bucket_numel=16)
+    sd = other.state_dict()
+    model, opt = _trained(info, 2, bucket_numel=8)
+    before = _everything(model, opt)
+    opt.check_state_dict(opt.state_dict())  # its own state: accepted
+    with pytest.raises(ValueError, match="another bucket_numel"):
+        opt.check_state_dict(sd)
+    with pytest.raises(ValueError, match="another bucket_numel"):
+        opt.load_state_dict(sd)
+    assert state_dict_diff(before["opt"], opt.state_dict()) == []
+    groups = {**sd, "param_groups": sd["param_groups"] * 2}
+    with pytest.raises(ValueError, match=r"has 2 parameter group\(s\), this optimizer 1"):
+        opt.load_state_dict(groups)
+    assert state_dict_diff(before["opt"], opt.state_dict()) == []

@@ -153,6 +153,21 @@ def test_table_from_json_path_and_bad_files(tmp_path):
         load_table(42)
 
 
+def test_a_directory_or_a_deeply_nested_table_is_a_value_error(tmp_path):
+    # Issue #41.4: IsADirectoryError and RecursionError escaped on the rank that read them
+    # (the agreement only turned ValueError/TypeError into an answer for every rank).
+    with pytest.raises(ValueError, match=r"cannot be read: \[Errno 21\] Is a directory"):
+        load_table(tmp_path)
+    (tmp_path / "deep.json").write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(ValueError, match=r"deep.json' is nested too deeply"):
+        load_table(tmp_path / "deep.json")
+    deep: dict = {}
+    for _ in range(100_000):
+        deep = {"a": deep}
+    with pytest.raises(ValueError, match=r"nested too deeply"):
+        load_table(deep)
+
+
 def test_children_must_be_backends_with_distinct_names():
     with pytest.raises(ValueError, match=r"two backends are named 'single'"):
         MixedBackend([SingleProcessBackend(), SingleProcessBackend()], GOOD)

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import random
+import tempfile
 
 import pytest
 import torch
@@ -160,16 +162,26 @@ def test_rank0_bad_table_fails_on_every_rank_alike(torch_backend, mpi_backend, w
     bad = json.loads(json.dumps(TABLE))
     bad["rules"][1]["min_bytes"] = 300  # gap [256, 300) in all_reduce
     errors = []
-    for tbl in (bad if rank == 0 else TABLE, "/nonexistent/table.json" if rank == 0 else TABLE):
-        try:
-            MixedBackend({"torch": torch_backend, "mpi": mpi_backend}, tbl)
-            errors.append(None)
-        except ValueError as err:
-            errors.append(str(err))
+    with tempfile.TemporaryDirectory() as tmp:  # a directory, and a table nested too deeply
+        deep = os.path.join(tmp, "deep.json")
+        with open(deep, "w") as f:
+            f.write("[" * 100_000 + "]" * 100_000)
+        rank0 = (bad, "/nonexistent/table.json", tmp, deep)
+        # MPI first: a rank left waiting in an MPI broadcast never times out (issue #41.4)
+        for tbl in rank0:
+            try:
+                MixedBackend(
+                    {"mpi": mpi_backend, "torch": torch_backend}, tbl if rank == 0 else TABLE
+                )
+                errors.append(None)
+            except ValueError as err:
+                errors.append(str(err))
     everyone = allgather(errors)
     assert all(e == everyone[0] for e in everyone), everyone
     assert "gap" in everyone[0][0] and "[256, 300)" in everyone[0][0]
     assert "rank 0 could not load" in everyone[0][1] and "does not exist" in everyone[0][1]
+    assert "rank 0 could not load" in everyone[0][2] and "Is a directory" in everyone[0][2]
+    assert "rank 0 could not load" in everyone[0][3] and "nested too deeply" in everyone[0][3]
 
 
 def train(backend, rank: int, steps: int = 8, freeze: int = 4) -> list[torch.Tensor]:
