@@ -5,6 +5,9 @@ gradient communication, on torch.distributed (NCCL/gloo) or MPI; and DiLoCo, an 
 whose rare pseudo-gradient average travels through the same 1-bit exchange.
 """
 
+import importlib
+from typing import Any
+
 from commopt import ddp
 from commopt._version import __version__ as __version__
 from commopt.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
@@ -53,3 +56,19 @@ __all__ = [
     "to_deepspeed_config",
     "watch",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """``commopt.lightning`` on first use: it imports Lightning, which ``import commopt`` must
+    not (most users do not have it); a clear ImportError when Lightning is missing."""
+    if name == "lightning":
+        try:
+            return importlib.import_module("commopt.lightning")
+        except ModuleNotFoundError as err:
+            if (err.name or "").split(".")[0] != "lightning":
+                raise
+            raise ImportError(
+                "commopt.lightning needs Lightning 2.4 or newer (lightning.pytorch): "
+                "pip install 'commopt[lightning]'"
+            ) from err
+    raise AttributeError(f"module 'commopt' has no attribute {name!r}")

@@ -203,7 +203,11 @@ def compressed_allreduce_and_scale(
     x = tensor.reshape(-1).float()
 
     # 1–2. s = ‖pad(x) + e‖/√N; c = pad(x) + e is not stored (step 4 recomputes it, exactly).
-    s = kernels.scale(x, worker_error) if padded else torch.zeros(1, device=x.device)
+    s = (
+        kernels.scale(x, worker_error)
+        if padded
+        else torch.zeros(1, dtype=torch.float32, device=x.device)
+    )
 
     # 3. phase 1a: (s, L, safe?) from everyone; agree on L, finiteness and the fp32 range
     # before touching e or f.

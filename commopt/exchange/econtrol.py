@@ -103,7 +103,7 @@ def econtrol_allreduce_(
     x = tensor
     zeros = torch.zeros_like(worker_error)
     if padded == 0:
-        _agree(be, torch.zeros(1, device=x.device), numel)
+        _agree(be, torch.zeros(1, dtype=torch.float32, device=x.device), numel)
         return None
 
     if not bool(started[0]):

@@ -216,7 +216,7 @@ class HierarchicalExchange:
         #    (skipped by the whole node when its records already doom the call).
         t0 = time.perf_counter()
         node = self._node_records(tensor)
-        s, z = torch.zeros(1), buf["z"]
+        s, z = torch.zeros(1, dtype=torch.float32), buf["z"]
         if numel and all(ok and length == numel for ok, length in node):
             reduce_scatter = getattr(local, "reduce_scatter_mean_", None)
             if reduce_scatter is not None:  # shared memory: sums straight out of the segment
@@ -375,9 +375,11 @@ class HierarchicalExchange:
             u8 = {"dtype": torch.uint8, "device": device}
             shared = hasattr(self.local_backend, "reduce_scatter_mean_")
             scratch = {
-                "send": None if shared or padded == numel else torch.zeros(padded, device=device),
-                "recv": None if shared else torch.empty(L, S, device=device),
-                "z": torch.empty(S, device=device),
+                "send": None
+                if shared or padded == numel
+                else torch.zeros(padded, dtype=torch.float32, device=device),
+                "recv": None if shared else torch.empty(L, S, dtype=torch.float32, device=device),
+                "z": torch.empty(S, dtype=torch.float32, device=device),
             }
             if stages == 1:
                 scratch.update(

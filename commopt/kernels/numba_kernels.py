@@ -119,15 +119,18 @@ class NumbaKernels:
         empty cache (so ≈ 10 s for 4 ranks started together on 2 cores), about 0.6 s once the
         cache is filled. Call this once per machine (e.g. after installing) to fill the cache.
         """
-        x, e, f = torch.ones(13), torch.zeros(16), torch.zeros(8)
+        f32 = {"dtype": torch.float32}  # whatever torch's default dtype is
+        x, e, f = torch.ones(13, **f32), torch.zeros(16, **f32), torch.zeros(8, **f32)
         bits, server_bits = torch.empty(2, dtype=torch.uint8), torch.empty(1, dtype=torch.uint8)
         s = self.scale(x, e)
         self.pack_compensated_(x, s, e, bits)
-        self.pack_worker_(torch.ones(16), s, e, bits)
-        self.compensate(x, e, torch.empty(16))
-        t = self.server_reduce_(bits.view(2, 1), torch.ones(2), f, server_bits)
-        self.unpack_scaled_(bits.view(2, 1), t.repeat(2), torch.empty(13))
-        self.guard_denominator_(torch.empty(13), x, x, 1.0, torch.arange(2))  # the step guard
+        self.pack_worker_(torch.ones(16, **f32), s, e, bits)
+        self.compensate(x, e, torch.empty(16, **f32))
+        t = self.server_reduce_(bits.view(2, 1), torch.ones(2, **f32), f, server_bits)
+        self.unpack_scaled_(bits.view(2, 1), t.repeat(2), torch.empty(13, **f32))
+        self.guard_denominator_(
+            torch.empty(13, **f32), x, x, 1.0, torch.arange(2)
+        )  # the step guard
 
     def scale(self, x: torch.Tensor, worker_error: torch.Tensor) -> torch.Tensor:
         r"""Steps 1–2 without storing c: s = ‖pad(x) + e‖₂/√N (1-element fp32 tensor)."""

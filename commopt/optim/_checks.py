@@ -9,12 +9,24 @@ from typing import Any
 
 import torch
 
+from commopt.optim.config import check_number
+
 __all__ = [
     "check_group_joins_phase_a",
     "check_no_scaler_after_early_work",
     "check_overlap_arguments",
     "check_param_group",
 ]
+
+
+#: torch.optim.Adam's options that commopt's optimizers do not have, and why
+_TORCH_ONLY = {
+    "maximize": "negate the loss instead",
+    "amsgrad": "the frozen variance is what 1-bit and 0/1 Adam compress against",
+    "capturable": "no CUDA-graph capture of a step that communicates",
+    "differentiable": "no autograd through the step",
+    "fused": "commopt's own flat kernels run the step",
+}
 
 
 def check_param_group(
@@ -26,6 +38,17 @@ def check_param_group(
             raise ValueError(
                 f"{key} is one setting for the whole {name} (its config), "
                 f"not per param group; pass {key}= to the constructor"
+            )
+    for key in ("lr", "eps", "weight_decay"):
+        if key in group:
+            check_number(f"{key} in a param group", group[key])
+    for i, beta in enumerate(group.get("betas", ())):
+        check_number(f"betas[{i}] in a param group", beta)
+    for key, why in _TORCH_ONLY.items():
+        if group.get(key):
+            raise ValueError(
+                f"{key}={group[key]!r} in a param group: {name} has no {key} ({why}); "
+                "remove it (the constructor refuses it too)"
             )
     for p in group["params"]:
         if p.is_complex():

@@ -11,6 +11,7 @@ Every full-precision average and every compressed exchange is counted here, and
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 from collections.abc import Sequence
@@ -51,6 +52,15 @@ class Communication:
         self.rounds = {"full": 0, "compressed": 0}
         #: (‖e‖², ‖c‖²) of this rank's last compressed call (see :meth:`stats`)
         self.last_compression: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Communication:
+        """A copy (``copy.deepcopy`` of an optimizer) that talks over the same backend and
+        exchange (they hold no training state) and counts its own rounds."""
+        new = copy.copy(self)
+        memo[id(self)] = new
+        new.rounds = dict(self.rounds)
+        new.last_compression = None
+        return new
 
     @property
     def backend(self) -> Backend:

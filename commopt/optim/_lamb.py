@@ -57,7 +57,7 @@ def per_tensor(
     device: torch.device,
 ) -> torch.Tensor:
     """One fp32 value per tensor: ``reduce`` over the non-empty views, ``empty`` for the rest."""
-    out = torch.full((len(views),), empty, device=device)
+    out = torch.full((len(views),), empty, dtype=torch.float32, device=device)
     index = [i for i, v in enumerate(views) if v.numel()]
     if index:
         out[index] = torch.stack(reduce([views[i] for i in index])).float()
@@ -100,7 +100,7 @@ def scaling_coeffs(states: list[FlatState]) -> list[torch.Tensor]:
     nonempty = [(r[s > 0]).cpu() for r, s in zip(rms, sizes, strict=True)]
     count = sum(len(r) for r in nonempty)
     # ρ of a tensor with no elements is undefined: it takes no part in the mean.
-    mean = torch.cat(nonempty).sum() / count if count else torch.tensor(0.0)
+    mean = torch.cat(nonempty).sum() / count if count else torch.tensor(0.0, dtype=torch.float32)
     return [torch.where(r > 0, mean.to(r.device) / torch.where(r > 0, r, 1.0), 1.0) for r in rms]
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import warnings
-import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
 
@@ -58,8 +57,7 @@ class CompressedOptimizer(ConfigAttributes, torch.optim.Optimizer):
     _bucket_numel: int | None = DEFAULT_BUCKET_NUMEL
     #: compute ``comm_stats()["compression_error"]`` (one dot product per compressed call)
     track_compression_error: bool = True
-    #: the config field that may be ``"auto"`` or an AutoFreezeSettings (then
-    #: :class:`commopt.optim.freeze.AutoFreeze` decides)
+    #: the config field that may be ``"auto"`` or an AutoFreezeSettings (AutoFreeze decides)
     _freeze_field: ClassVar[str] = "freeze_step"
 
     def __init__(
@@ -73,13 +71,11 @@ class CompressedOptimizer(ConfigAttributes, torch.optim.Optimizer):
         if topology not in TOPOLOGIES:
             choices = ", ".join(map(repr, TOPOLOGIES))
             raise ValueError(f"Invalid topology: {topology!r} (must be one of {choices})")
-        #: "flat" (SPEC §1 over all ranks), "hierarchical" (full precision inside a node, 1 bit
-        #: between nodes) or "auto" (hierarchical with several nodes of several ranks)
+        #: "flat" (SPEC §1), "hierarchical" (fp32 in a node, 1 bit across) or "auto"
         self.topology = topology
         self.config = config
         #: the step counter and any schedule state the ranks share; saved in ``state_dict()``
         self.global_state: dict[str, Any] = {"step": 0, "skipped_steps": 0}
-        self.requested_backend = backend
         self._comm = Communication(backend, topology, config.error_feedback, config.econtrol_eta)
         self._layout = BucketLayout(
             type(self).__name__, self._flat_keys, self._lazy_flat_keys, self._scalar_keys
@@ -88,11 +84,8 @@ class CompressedOptimizer(ConfigAttributes, torch.optim.Optimizer):
         self._freeze = FreezePoint(getattr(config, self._freeze_field), self.global_state)
         self._zero_variance_guard = ZeroVarianceGuard(type(self).__name__)
         self._early: EarlyWork | None = None  # work started before step() (commopt.ddp)
-        self._thread: CommThread | None = None  # overlap=True: where the early work's
-        # collectives run; the hooks reach the early work weakly (a dropped optimizer is
-        # collected, and its thread stopped, at once)
-        ref = weakref.ref(self)
-        self._hooks = GradientHooks(lambda: ref().early_work)  # type: ignore[union-attr]
+        self._thread: CommThread | None = None  # overlap=True: runs the early collectives
+        self._hooks = GradientHooks.of(self)
         self._step_now = 0  # the step being taken (set by step())
         self._compression_announced = False  # logged once, on rank 0
         super().__init__(params, defaults)
@@ -107,8 +100,7 @@ class CompressedOptimizer(ConfigAttributes, torch.optim.Optimizer):
         raise NotImplementedError(f"{type(self).__name__} must define _early_plan")
 
     def _communicates(self, step: int) -> bool:
-        """Whether step ``step`` talks to other ranks. A purely local step (False) agrees on
-        nothing: its gradient verdict is this rank's own (see ``_skip_local``)."""
+        """Whether step ``step`` talks to other ranks (False: agrees on nothing; _skip_local)."""
         del step
         return True
 
@@ -128,10 +120,22 @@ class CompressedOptimizer(ConfigAttributes, torch.optim.Optimizer):
             self._layout.lay_out(*self._layout_args())
         if "_hooks" in self.__dict__ and self._hooks.enabled:  # (torch's __init__ adds groups
             self._hooks.attach(group["params"])  # before ours has run)
-        # A group added on some ranks only changes their model key: the next step's agreement
-        # sees it on every rank, and every rank runs the same-model check and fails alike.
+        # (added on some ranks only: the next step's model check fails on every rank alike)
+
+    # -- copies (copy.deepcopy, pickle): torch's keep only the state and groups --------------
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k not in ("_hooks", "_early", "_thread")}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__({**state, "_early": None, "_thread": None})  # steps as overlap=False
+        self._hooks = GradientHooks.of(self)
 
     # -- backend, exchange, layout ------------------------------------------------------------
+    @property
+    def requested_backend(self) -> Backend | None:
+        """The constructor's ``backend`` argument (None: resolved at first use)."""
+        return self._comm.requested
+
     @property
     def backend(self) -> Backend:
         """The resolved communication backend (``backend=None`` → SPEC §5, at first use)."""
@@ -139,14 +143,12 @@ class CompressedOptimizer(ConfigAttributes, torch.optim.Optimizer):
 
     @property
     def exchange(self) -> Exchange:
-        """How buckets are averaged at one bit: SPEC §1 over :attr:`backend`, or the
-        hierarchical exchange of :mod:`commopt.exchange.hierarchical` (``topology``)."""
+        """How buckets are averaged at one bit (SPEC §1, or hierarchical per ``topology``)."""
         return self._comm.exchange
 
     # -- the freeze point (commopt.optim.freeze.FreezePoint, kept in global_state) -------------
     def frozen_after(self) -> float:
-        """The last full-precision step: the config's, or with ``"auto"`` the step
-        :class:`~commopt.optim.freeze.AutoFreeze` chose (``math.inf`` until it has chosen)."""
+        """The last full-precision step: the config's, or the one AutoFreeze chose (or inf)."""
         return self._freeze.last_full_step()
 
     def _observe_variance(
@@ -202,9 +204,8 @@ class CompressedOptimizer(ConfigAttributes, torch.optim.Optimizer):
     # -- work started before step(): the DDP hook (commopt.ddp) or overlap=True ---------------
     @property
     def early_work(self) -> EarlyWork:
-        """Work a DDP communication hook or ``overlap=True`` started on this optimizer's
-        buckets during backward, staged until ``step()`` takes or skips the step
-        (:mod:`commopt.optim.early`)."""
+        """Work a DDP hook or ``overlap=True`` started on the buckets during backward, staged
+        until ``step()`` takes or skips it (:mod:`commopt.optim.early`)."""
         if self._early is None:
             self._early = EarlyWork(
                 layout=lambda: self.flat_states,
@@ -222,8 +223,8 @@ class CompressedOptimizer(ConfigAttributes, torch.optim.Optimizer):
         return self._thread is not None
 
     def _averaged_grads(self, state: FlatState) -> torch.Tensor:
-        """The bucket's gradients averaged over all ranks at full precision, flat, in scratch
-        ``"grad"``; those the early work already averaged are not averaged again."""
+        """The bucket's gradients averaged at full precision, flat, in scratch ``"grad"`` (not
+        again where the early work did)."""
         g = state.scratch("grad")
         if self._early is not None:
             return self._early.averaged_grads(state, self._step_now, g)
@@ -238,9 +239,7 @@ class CompressedOptimizer(ConfigAttributes, torch.optim.Optimizer):
     def _take_exchanged_gradient(self, state: FlatState) -> torch.Tensor | None:
         """The bucket's local gradient exchanged at one bit during backward (``GRADIENT``),
         its error buffers committed; None: it was not, the algorithm does it now."""
-        if self._early is None:
-            return None
-        return self._early.take_gradient(state, self._step_now)
+        return None if self._early is None else self._early.take_gradient(state, self._step_now)
 
     def _set_overlap(self, overlap: bool, bucket_numel: int | None) -> None:
         """The constructor's ``overlap`` and ``bucket_numel``, once ``param_groups`` exist and

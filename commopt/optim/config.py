@@ -11,6 +11,7 @@ another phase, so it raises unless ``allow_config_change=True`` is passed.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import os
 from typing import Any, TypeVar
 
@@ -30,6 +31,7 @@ __all__ = [
     "check_config_change",
     "check_freeze_step",
     "check_nonnegative",
+    "check_number",
     "check_step_count",
     "config_differences",
     "document_schedule",
@@ -125,12 +127,26 @@ def _check_feedback(config: Any) -> None:
         raise ValueError(f"Invalid step_guard: {guard!r} (choose 'tiny', True or False)")
 
 
+def check_number(name: str, value: Any) -> None:
+    """TypeError unless ``value`` is a real Python (or numpy) number: a tensor hyperparameter
+    is torch's device for capturable/fused steps, which read it on the GPU; commopt's kernels
+    take Python floats (and would fail deep inside numba, or on a multi-element tensor)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        what = f"a tensor of shape {tuple(value.shape)}" if hasattr(value, "shape") else repr(value)
+        raise TypeError(
+            f"Invalid {name}: {what} (must be a number: commopt reads hyperparameters as Python "
+            "floats, not tensors; pass float(...) of it)"
+        )
+
+
 def check_nonnegative(name: str, value: float) -> None:
+    check_number(name, value)
     if not value >= 0.0:  # also rejects NaN
         raise ValueError(f"Invalid {name}: {value} (must be >= 0)")
 
 
 def check_beta(index: int, value: float) -> None:
+    check_number(f"beta parameter at index {index}", value)
     if not 0.0 <= value < 1.0:
         raise ValueError(f"Invalid beta parameter at index {index}: {value} (must be in [0, 1))")
 

@@ -66,7 +66,9 @@ class FlatState:
                 self.flat[key] = self._new_flat(key)
         self.scalars: dict[str, torch.Tensor] = {}
         for key, initial in scalar_keys.items():
-            buf = torch.full((len(bucket.params),), initial, device=bucket.device)
+            buf = torch.full(
+                (len(bucket.params),), initial, dtype=torch.float32, device=bucket.device
+            )
             for i, p in enumerate(bucket.params):
                 old = param_state[p].get(key)
                 if old is not None:
@@ -74,7 +76,8 @@ class FlatState:
                 param_state[p][key] = buf[i]
             self.scalars[key] = buf
         self.comm = {
-            name: torch.zeros(numel, device=bucket.device) for name, numel in comm_numels.items()
+            name: torch.zeros(numel, dtype=torch.float32, device=bucket.device)
+            for name, numel in comm_numels.items()
         }
         self._scratch: dict[str, torch.Tensor] = {}
         self._poison = poison_scratch()
@@ -123,9 +126,11 @@ class FlatState:
         if buf is None:
             bucket = self.bucket
             if self._poison:
-                buf = torch.full((bucket.numel,), float("nan"), device=bucket.device)
+                buf = torch.full(
+                    (bucket.numel,), float("nan"), dtype=torch.float32, device=bucket.device
+                )
             else:
-                buf = torch.empty(bucket.numel, device=bucket.device)
+                buf = torch.empty(bucket.numel, dtype=torch.float32, device=bucket.device)
             self._scratch[name] = buf
         return buf
 

@@ -217,8 +217,9 @@ class OnebitAdam(CompressedOptimizer):
             step_sizes.append(group["lr"] / (1 - beta1**t) if correct else group["lr"])
             eps.append(group["eps"])
             bound = step_bound(self.config.step_guard, group["betas"], correct)
-            # |m/d| ≤ B·lr/step_size, so that |m̂/d| ≤ B
-            limits.append(bound * group["lr"] / step_sizes[-1] if t > freeze_step else None)
+            # |m/d| ≤ B·lr/step_size, so that |m̂/d| ≤ B (lr = 0: nothing moves, any limit)
+            limit = bound * group["lr"] / step_sizes[-1] if step_sizes[-1] else bound
+            limits.append(limit if t > freeze_step else None)
         d = state.denominator(bias_sqrt, eps)
         m = state.flat["exp_avg"]
         segments = self.segments(state)

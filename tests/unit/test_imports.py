@@ -68,3 +68,36 @@ def test_mixed_backend_from_table_is_explicit() -> None:
     assert commopt.MixedBackend.from_table.__func__ is commopt.MixedBackend.from_available.__func__
     with pytest.raises(RuntimeError, match="no communication backend is available"):
         commopt.MixedBackend.from_table({"backends": ["torch"], "rules": []})
+
+
+def test_the_documented_lightning_line_works_after_import_commopt_alone():
+    # Issue #38.8: `commopt.lightning.OnebitHookCallback()` raised AttributeError unless the
+    # user had imported the submodule first; and `import commopt` must not import Lightning.
+    import subprocess
+    import sys
+
+    pytest.importorskip("lightning.pytorch", reason="needs the [lightning] extra")
+    code = (
+        "import sys, commopt\n"
+        "assert 'lightning' not in sys.modules, 'import commopt imported Lightning'\n"
+        "cb = commopt.lightning.OnebitHookCallback()\n"
+        "print(type(cb).__name__)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "OnebitHookCallback"
+
+
+def test_commopt_lightning_without_lightning_says_how_to_install(monkeypatch):
+    import sys
+
+    import commopt
+
+    monkeypatch.delitem(sys.modules, "commopt.lightning", raising=False)
+    monkeypatch.delattr(commopt, "lightning", raising=False)  # set by an earlier import
+    monkeypatch.setitem(sys.modules, "lightning", None)  # "not installed"
+    monkeypatch.setitem(sys.modules, "lightning.pytorch", None)
+    with pytest.raises(ImportError, match=r"pip install 'commopt\[lightning\]'"):
+        commopt.lightning  # noqa: B018
+    with pytest.raises(AttributeError, match="no attribute 'lightnin'"):
+        commopt.lightnin  # noqa: B018

@@ -86,7 +86,9 @@ class StagedBuffers:
         m = self._momentum.get(id(state))
         if m is None:
             bucket = state.bucket
-            m = self._momentum[id(state)] = torch.empty(bucket.numel, device=bucket.device)
+            m = self._momentum[id(state)] = torch.empty(
+                bucket.numel, dtype=torch.float32, device=bucket.device
+            )
         return m
 
     def sync_base(self, state: FlatState) -> torch.Tensor:

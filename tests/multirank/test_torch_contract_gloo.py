@@ -1,0 +1,59 @@
+"""torch.optim's contract on 2 gloo ranks, where the 1-bit exchange runs (issue #38).
+
+The one-process rows are ``tests/unit/test_torch_contract.py``; here the same fixes go through
+the compressed exchange: lr = 0 in every phase, fp32 parameters under a float64 default dtype
+(the exchange's buffers), and a deep copy that keeps training on the same backend.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from tests.multirank.harness import run_ranks
+from tests.optim_registry import OPTIMIZERS
+
+
+def _train(backend, name: str, case: str):
+    from tests.optim_registry import BY_NAME
+
+    info = BY_NAME[name]
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(40, 3))
+    start = w.detach().clone()
+    gen = torch.Generator().manual_seed(backend.rank)
+
+    def steps(opt, p, n):
+        for _ in range(n):
+            p.grad = torch.randn(p.shape, generator=gen, dtype=p.dtype)
+            opt.step()
+
+    if case == "lr0":
+        opt = info.make([w], lr=0.0)
+        steps(opt, w, info.steps + 4)
+        return torch.equal(w, start), w.detach().clone()
+    if case == "float64-default":
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(torch.float64)
+        try:
+            opt = info.make([w])
+            steps(opt, w, info.steps)  # ends on a communicating step
+        finally:
+            torch.set_default_dtype(previous)
+        return w.dtype == torch.float32, w.detach().clone()
+    opt = info.make([w])
+    steps(opt, w, 3)
+    twin = copy.deepcopy(opt)
+    w2 = twin.param_groups[0]["params"][0]
+    steps(twin, w2, info.steps - 3)  # the copy trains through every phase, same backend
+    return w2 is not w, w2.detach().clone()
+
+
+@pytest.mark.parametrize("info", OPTIMIZERS, ids=repr)
+@pytest.mark.parametrize("case", ["lr0", "float64-default", "deepcopy"])
+def test_contract_on_two_ranks(info, case):
+    (ok0, w0), (ok1, w1) = run_ranks(_train, 2, info.name, case, timeout=60)
+    assert ok0 and ok1
+    assert torch.equal(w0, w1)  # replicas identical

@@ -1,0 +1,123 @@
+"""torch.optim's contract where commopt's optimizers broke it (issue #38), one process.
+
+Each test names the row of torch's ``TestOptimRenewed`` (pytorch test/test_optim.py) it follows,
+and runs every optimizer of the registry with ``torch.optim.Adam`` as the control where the
+control applies. The 2-rank counterparts are in ``tests/multirank/test_torch_contract_gloo.py``.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from tests.optim_registry import OPTIMIZERS, state_dict_diff
+
+CONTROL = "Adam"
+
+
+def _make(name: str, params, **overrides):
+    if name == CONTROL:
+        return torch.optim.Adam(params, **overrides)
+    from tests.optim_registry import BY_NAME
+
+    return BY_NAME[name].make(params, **overrides)
+
+
+NAMES = [CONTROL] + [info.name for info in OPTIMIZERS]
+
+
+def _steps(opt, params, n: int, seed: int = 0) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(n):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen, dtype=p.dtype)
+        opt.step()
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_lr_zero_through_every_phase_moves_nothing(name):
+    # lr = 0 (CosineAnnealingLR's last value) crashed 1-bit Adam after the freeze step with a
+    # ZeroDivisionError.
+    w = torch.nn.Parameter(torch.randn(5, 3))
+    before = w.detach().clone()
+    opt = _make(name, [w], lr=0.0)
+    _steps(opt, [w], 14)
+    assert torch.equal(w, before)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_deepcopy_steps_like_the_original(name):
+    # test_deepcopy_copies_all_public_attrs: the copy has every public attribute, and steps
+    # (it lost config and global_state: "no attribute '_early'").
+    w = torch.nn.Parameter(torch.randn(6))
+    opt = _make(name, [w], lr=0.01)
+    _steps(opt, [w], 3)
+    twin = copy.deepcopy(opt)
+    public = {k for k in vars(opt) if not k.startswith("_")}
+    assert public <= set(vars(twin)), public - set(vars(twin))
+    w2 = twin.param_groups[0]["params"][0]
+    assert w2 is not w and torch.equal(w2, w)
+    _steps(opt, [w], 5, seed=1)
+    _steps(twin, [w2], 5, seed=1)
+    assert torch.equal(w, w2)
+    assert state_dict_diff(opt.state_dict(), twin.state_dict()) == []
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_float32_parameters_under_a_float64_default_dtype(name):
+    # test_step_respects_default_dtype-like: torch.set_default_dtype(torch.float64) broke fp32
+    # parameters ("expected dtype float for `end`"): scratch buffers took the default dtype.
+    w = torch.nn.Parameter(torch.randn(6, dtype=torch.float32))
+    ref = torch.nn.Parameter(w.detach().clone())
+    ref_opt = _make(name, [ref], lr=0.01)
+    _steps(ref_opt, [ref], 14)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        opt = _make(name, [w], lr=0.01)
+        _steps(opt, [w], 14)
+    finally:
+        torch.set_default_dtype(previous)
+    assert w.dtype == torch.float32
+    assert torch.equal(w, ref)  # the same bits as under the float32 default
+
+
+@pytest.mark.parametrize("info", OPTIMIZERS, ids=repr)
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"lr": torch.tensor(0.01)}, r"Invalid learning rate: a tensor of shape \(\) \(must be"),
+        ({"lr": torch.tensor([0.01, 0.02])}, r"Invalid learning rate: a tensor of shape \(2,\)"),
+        (
+            {"betas": (torch.tensor(0.9), 0.999)},
+            r"Invalid beta parameter at index 0: a tensor",
+        ),
+    ],
+)
+def test_tensor_hyperparameters_are_refused_clearly(info, kwargs, match):
+    # Tensor lr or betas died inside numba with a typing error (0/1 Adam) or with "Boolean
+    # value of Tensor ... ambiguous": refused, in the constructor and in a param group.
+    with pytest.raises(TypeError, match=match):
+        info.make([torch.nn.Parameter(torch.randn(3))], **kwargs)
+    key = next(iter(kwargs))
+    group = {"params": [torch.nn.Parameter(torch.randn(3))], key: kwargs[key]}
+    with pytest.raises(TypeError, match="in a param group"):
+        info.make([group])
+
+
+@pytest.mark.parametrize("info", OPTIMIZERS, ids=repr)
+@pytest.mark.parametrize("option", ["maximize", "amsgrad", "capturable", "differentiable", "fused"])
+def test_torch_only_options_are_refused_in_the_constructor_and_in_a_group(info, option):
+    # They were silently ignored in a param group (a maximize=True group minimised).
+    with pytest.raises(TypeError, match=option):
+        info.make([torch.nn.Parameter(torch.randn(3))], **{option: True})
+    group = {"params": [torch.nn.Parameter(torch.randn(3))], option: True}
+    with pytest.raises(ValueError, match=rf"{option}=True in a param group: {info.name} has no"):
+        info.make([group])
+    opt = info.make([torch.nn.Parameter(torch.randn(3))])
+    with pytest.raises(ValueError, match=rf"{option}=True in a param group"):
+        opt.add_param_group(group)
+    harmless = {"params": [torch.nn.Parameter(torch.randn(3))], option: False, "foreach": None}
+    opt.add_param_group(harmless)  # False, and foreach (an implementation choice), are fine
