@@ -47,6 +47,9 @@ class BucketLayout:
         self.states: list[FlatState] | None = None
         #: the ``"commopt"`` entry of a loaded state dict, until the buckets exist
         self.pending: dict[str, Any] | None = None
+        #: every param group starts a bucket (0/1 Adam: a sync compresses lr-weighted
+        #: updates, so groups of different lr must not share one 1-bit scale)
+        self.bucket_per_group = False
 
     def lay_out(
         self,
@@ -60,7 +63,7 @@ class BucketLayout:
         buffers, and loaded ones are restored into the new buckets."""
         keep = {tuple(id(p) for p in s.bucket.params): s for s in self.states or []}
         states = []
-        for bucket in _buckets(param_groups, bucket_numel):
+        for bucket in _buckets(param_groups, bucket_numel, self.bucket_per_group):
             state = FlatState(
                 bucket,
                 param_state,
@@ -100,7 +103,7 @@ class BucketLayout:
             {**g, "first_step": s.get("first_step", 0)}
             for g, s in zip(param_groups, saved_groups, strict=True)
         ]
-        numels = [b.numel for b in _buckets(groups, bucket_numel)]
+        numels = [b.numel for b in _buckets(groups, bucket_numel, self.bucket_per_group)]
         check_bucket_numels(loaded or {}, numels, self.name)
 
     def forget(self, loaded: dict[str, Any] | None) -> None:
@@ -118,11 +121,14 @@ class BucketLayout:
         return buckets
 
 
-def _buckets(param_groups: list[dict[str, Any]], bucket_numel: int | None) -> list[Bucket]:
-    """The buckets of ``param_groups``: a group that joined at another step starts a new one."""
+def _buckets(
+    param_groups: list[dict[str, Any]], bucket_numel: int | None, per_group: bool
+) -> list[Bucket]:
+    """The buckets of ``param_groups``: a group that joined at another step starts a new one
+    (with ``per_group``, every group does)."""
     starts = [
         gi
         for gi, g in enumerate(param_groups)
-        if gi and g["first_step"] != param_groups[gi - 1]["first_step"]
+        if gi and (per_group or g["first_step"] != param_groups[gi - 1]["first_step"])
     ]
     return build_buckets(param_groups, bucket_numel, starts)

@@ -193,6 +193,7 @@ class ZeroOneAdam(CompressedOptimizer):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         defaults["bias_correction"] = bias_correction
         super().__init__(params, defaults, config, backend, topology)
+        self._layout.bucket_per_group = True  # a sync's 1-bit scale is per lr: per group
         self._start_schedule()
         self._set_overlap(overlap, bucket_numel)
 

@@ -57,3 +57,28 @@ def test_contract_on_two_ranks(info, case):
     (ok0, w0), (ok1, w1) = run_ranks(_train, 2, info.name, case, timeout=60)
     assert ok0 and ok1
     assert torch.equal(w0, w1)  # replicas identical
+
+
+def _tiny_lr_group(backend, name: str):
+    from tests.optim_registry import BY_NAME
+
+    info = BY_NAME[name]
+    torch.manual_seed(0)
+    a = torch.nn.Parameter(torch.randn(30))
+    b = torch.nn.Parameter(torch.randn(30))
+    start = b.detach().clone()
+    opt = info.make([{"params": [a]}, {"params": [b], "lr": 1e-28}])
+    gen = torch.Generator().manual_seed(backend.rank)
+    for _ in range(info.steps):
+        a.grad = torch.randn(30, generator=gen)
+        b.grad = torch.randn(30, generator=gen)
+        opt.step()
+    return float((b.detach() - start).abs().max())
+
+
+@pytest.mark.parametrize("info", OPTIMIZERS, ids=repr)
+def test_a_group_with_a_tiny_lr_barely_moves_in_every_phase(info):
+    # test_param_groups_lr: 0/1 Adam on 2 ranks moved a group whose lr is 1e-28 by 0.05: its
+    # sync compressed the lr-weighted updates of both groups with one 1-bit scale.
+    moved = run_ranks(_tiny_lr_group, 2, info.name, timeout=60)
+    assert max(moved) < 1e-20, moved
