@@ -373,13 +373,12 @@ class HierarchicalExchange:
             S = padded // L
             row_bytes = S // 8 + 4 * K
             u8 = {"dtype": torch.uint8, "device": device}
+            f32 = {"dtype": torch.float32, "device": device}
             shared = hasattr(self.local_backend, "reduce_scatter_mean_")
             scratch = {
-                "send": None
-                if shared or padded == numel
-                else torch.zeros(padded, dtype=torch.float32, device=device),
-                "recv": None if shared else torch.empty(L, S, dtype=torch.float32, device=device),
-                "z": torch.empty(S, dtype=torch.float32, device=device),
+                "send": None if shared or padded == numel else torch.zeros(padded, **f32),
+                "recv": None if shared else torch.empty(L, S, **f32),
+                "z": torch.empty(S, **f32),
             }
             if stages == 1:
                 scratch.update(

@@ -264,10 +264,8 @@ class CompressedOptimizer(ConfigAttributes, torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """One step: agree on the gradients, run the algorithm, or skip on every rank alike."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        with torch.enable_grad():
+            loss = None if closure is None else closure()
         params = [p for g in self.param_groups for p in g["params"]]
         try:
             if self.overlap:  # the thread's collectives come first (on every rank, one that
@@ -303,6 +301,8 @@ class CompressedOptimizer(ConfigAttributes, torch.optim.Optimizer):
                 self._early.decline()  # agreed on every rank: no second redo, no double cost
             self._early.clear()
             warn_redone(type(self).__name__, why, self.backend.rank, self.overlap)
+        if collective and params and len(verdict.without_grad) == len(params):
+            return loss  # no gradient on any rank: not a step, as for torch.optim (not counted)
         if verdict.nonfinite:
             self._skip(step, "non-finite gradient", collective)
             if not collective:  # a local step: the shared schedule still moves on
@@ -333,7 +333,7 @@ class CompressedOptimizer(ConfigAttributes, torch.optim.Optimizer):
         return loss
 
     def _skip(self, step: int, why: str, collective: bool) -> None:
-        self.global_state["skipped_steps"] += 1
+        self.global_state["skipped_steps"] += 1  # (warn_skipped says why)
         warn_skipped(type(self).__name__, step, why, collective, self.backend.rank)
 
     # GradScaler.step(opt) calls step() on every rank with grad_scale set, not skipping it where

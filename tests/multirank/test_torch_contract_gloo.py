@@ -82,3 +82,28 @@ def test_a_group_with_a_tiny_lr_barely_moves_in_every_phase(info):
     # sync compressed the lr-weighted updates of both groups with one 1-bit scale.
     moved = run_ranks(_tiny_lr_group, 2, info.name, timeout=60)
     assert max(moved) < 1e-20, moved
+
+
+def _no_grad_steps(backend, name: str):
+    from tests.optim_registry import BY_NAME
+
+    info = BY_NAME[name]
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(20))
+    opt = info.make([w])
+    gen = torch.Generator().manual_seed(backend.rank)
+    for t in range(info.steps + 3):
+        if t in (0, 4):  # no gradient on any rank: not a step
+            w.grad = None
+        else:
+            w.grad = torch.randn(20, generator=gen)
+        opt.step()
+    return opt.global_state["step"], w.detach().clone()
+
+
+@pytest.mark.parametrize("info", OPTIMIZERS, ids=repr)
+def test_steps_without_any_gradient_are_not_counted(info):
+    (s0, w0), (s1, w1) = run_ranks(_no_grad_steps, 2, info.name, timeout=60)
+    assert s0 == s1 == info.steps + 1
+    if info.communicates(info.steps + 1):
+        assert torch.equal(w0, w1)

@@ -121,3 +121,19 @@ def test_torch_only_options_are_refused_in_the_constructor_and_in_a_group(info, 
         opt.add_param_group(group)
     harmless = {"params": [torch.nn.Parameter(torch.randn(3))], option: False, "foreach": None}
     opt.add_param_group(harmless)  # False, and foreach (an implementation choice), are fine
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_step_with_no_gradient_anywhere_changes_nothing_later(name):
+    # torch counts steps per parameter with a gradient: a step() before any backward (or
+    # after zero_grad(set_to_none=True)) is no step. It shifted every later step here.
+    w = torch.nn.Parameter(torch.randn(6))
+    twin = torch.nn.Parameter(w.detach().clone())
+    opt, twin_opt = _make(name, [w], lr=0.01), _make(name, [twin], lr=0.01)
+    for _ in range(3):
+        opt.step()  # nothing has a gradient
+    _steps(opt, [w], 14)
+    _steps(twin_opt, [twin], 14)
+    assert torch.equal(w, twin)
+    if name != CONTROL:
+        assert opt.global_state["step"] == twin_opt.global_state["step"] == 14
