@@ -1,11 +1,6 @@
-# Source me: settings that let the Open MPI wheel run a few ranks on a small machine.
-# Root needs explicit consent from Open MPI; more ranks than cores needs oversubscription.
-if [[ $(id -u) == 0 ]]; then
-  export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
-fi
-export PRTE_MCA_rmaps_default_mapping_policy=:oversubscribe
-export OMPI_MCA_btl=self,tcp OMPI_MCA_btl_tcp_if_include=lo
-export OMP_NUM_THREADS=1
-# Ranks waiting in MPI yield the core instead of busy-polling: with more ranks than cores,
-# polling ranks starve the ones still computing.
-export OMPI_MCA_mpi_yield_when_idle=1
+# Source me (after activating .venv): the Open MPI settings that let the Open MPI wheel run a
+# few ranks on a small machine — consent to run as root, oversubscription, loopback TCP, one
+# thread per rank, ranks that yield while they wait. The settings live in the package, so an
+# installed user has them too: eval "$(commopt mpi-env)" (commopt/cli/mpi_env.py).
+_commopt_mpi_env="$(python -m commopt.cli mpi-env)" && eval "$_commopt_mpi_env"
+unset _commopt_mpi_env

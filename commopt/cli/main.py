@@ -23,6 +23,7 @@ __all__ = ["SUBCOMMANDS", "main", "register"]
 SUBCOMMANDS: dict[str, str] = {
     "tune": "commopt.cli.tune",
     "bench": "commopt.cli.bench",
+    "mpi-env": "commopt.cli.mpi_env",
 }
 
 _HELP = {
@@ -30,6 +31,8 @@ _HELP = {
     "(run under a launcher: mpirun -n 4 commopt tune -o table.json)",
     "bench": "time, algorithm and bus bandwidth of every collective on every backend "
     "(run under a launcher: mpirun -n 4 commopt bench, or torchrun ... -m commopt.cli bench)",
+    "mpi-env": "print the Open MPI settings for several ranks on one machine as shell exports "
+    '(eval "$(commopt mpi-env)")',
 }
 
 _EPILOG = (
@@ -37,7 +40,7 @@ _EPILOG = (
     "process per rank: 'mpirun -n 4 commopt tune -o table.json' (torch and MPI backends) or "
     "'torchrun --nproc_per_node=4 -m commopt.cli bench' (torch only). Run without a "
     "launcher they stop with exit status 2 and say so. As root, or with more ranks than "
-    "cores, source scripts/mpi_env.sh first (Open MPI's consent to run as root, and "
+    "cores, run 'eval \"$(commopt mpi-env)\"' first (Open MPI's consent to run as root, and "
     "oversubscription)."
 )
 

@@ -15,7 +15,7 @@ def test_help_says_tune_and_bench_need_a_launcher(capsys):
     assert "tune and bench measure collectives between ranks, so they run under a launcher" in out
     assert "mpirun -n 4 commopt tune -o table.json" in out
     assert "torchrun --nproc_per_node=4 -m commopt.cli bench" in out
-    assert "scripts/mpi_env.sh" in out
+    assert 'eval "$(commopt mpi-env)"' in out  # in the package: an installed user has it
     for name in ("tune", "bench"):
         assert f"(run under a launcher: mpirun -n 4 commopt {name}" in out
 
@@ -54,3 +54,34 @@ def test_bench_report_says_when_every_rank_is_on_one_host():
     ]
     assert ONE_HOST_NOTE in report(rows, ["torch"], 2, hosts=1)
     assert ONE_HOST_NOTE not in report(rows, ["torch"], 2, hosts=2)
+
+
+def test_mpi_env_prints_the_settings_the_checkout_script_sets(capsys, monkeypatch):
+    # Issue #38.10: scripts/mpi_env.sh was recommended to users who pip-installed commopt and
+    # had no such file; the settings now come from `commopt mpi-env`, which the script evals.
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    assert main(["mpi-env"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "export OMPI_ALLOW_RUN_AS_ROOT=1" in lines
+    assert "export PRTE_MCA_rmaps_default_mapping_policy=:oversubscribe" in lines
+    assert "export OMPI_MCA_btl_tcp_if_include=lo" in lines
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    assert main(["mpi-env", "--no-loopback"]) == 0
+    out = capsys.readouterr().out
+    assert "RUN_AS_ROOT" not in out and "tcp_if_include" not in out and "OMP_NUM_THREADS=1" in out
+    script = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "mpi_env.sh"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PRTE_"))}
+    env["PATH"] = f"{pathlib.Path(sys.executable).parent}:{env.get('PATH', '')}"
+    shown = subprocess.run(
+        ["bash", "-c", f". {script} && echo $PRTE_MCA_rmaps_default_mapping_policy"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
+    assert shown.stdout.strip() == ":oversubscribe", shown.stderr
