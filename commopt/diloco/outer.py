@@ -103,8 +103,9 @@ class DiLoCo:
         compression: how Δ is averaged (:mod:`commopt.diloco.averages`): ``"onebit"``
             (error-compensated 1 bit, ≈ 2 bits per parameter per sync), ``"none"`` (fp32,
             DiLoCo itself) or ``"bf16"``.
-        outer_lr, outer_momentum: η_out and μ of the outer SGD; ``None``: the compression's
-            entry in :data:`OUTER_DEFAULTS`.
+        outer_lr: η_out of the outer SGD; ``None``: the compression's entry in
+            :data:`OUTER_DEFAULTS` (1.3 for each).
+        outer_momentum: μ of the outer SGD; ``None``: as ``outer_lr`` (0 for each).
         nesterov: Nesterov momentum (the paper's) when μ > 0.
         fragments: P; sync 1/P of the parameters at a time, fragment p at inner steps
             W + ⌊(p+1)·H/P⌋ + k·H (Streaming DiLoCo). ``1``: all at once.
