@@ -52,6 +52,8 @@ class Bucket:
     segments: list[Segment]
     numel: int
     device: torch.device
+    #: the global step before its parameters joined (their group's, or their own cohort's)
+    first_step: int = 0
 
     def new_buffer(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return torch.zeros(self.numel, dtype=dtype, device=self.device)

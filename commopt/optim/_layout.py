@@ -8,6 +8,7 @@ buffers of a loaded state dict wait here until there are buckets to restore them
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, MutableMapping, Sequence
 from typing import Any
 
@@ -58,12 +59,13 @@ class BucketLayout:
         bucket_numel: int | None,
         exchange: Exchange,
         backend: Backend,
+        cohorts: Mapping[int, int],
     ) -> list[FlatState]:
         """Buckets and their state; a bucket whose parameters are unchanged keeps its exchange
         buffers, and loaded ones are restored into the new buckets."""
         keep = {tuple(id(p) for p in s.bucket.params): s for s in self.states or []}
         states = []
-        for bucket in _buckets(param_groups, bucket_numel, self.bucket_per_group):
+        for bucket in _buckets(param_groups, bucket_numel, self.bucket_per_group, cohorts):
             state = FlatState(
                 bucket,
                 param_state,
@@ -92,18 +94,22 @@ class BucketLayout:
         bucket_numel: int | None,
         exchange: Exchange,
         backend: Backend,
+        cohorts: Mapping[int, int],
     ) -> None:
         """ValueError now, not at the next step, when the exchange buffers of ``loaded`` (a
         state dict's ``"commopt"`` entry) would not fit the buckets that ``param_groups`` with
         the ``first_step`` of ``saved_groups`` lay out (the rest: :meth:`lay_out`'s)."""
-        del param_state
+        del param_state, cohorts  # (the loaded state's cohorts count, not this optimizer's)
         if not restorable_buckets(loaded, backend, exchange.name):
             return
         groups = [
             {**g, "first_step": s.get("first_step", 0)}
             for g, s in zip(param_groups, saved_groups, strict=True)
         ]
-        numels = [b.numel for b in _buckets(groups, bucket_numel, self.bucket_per_group)]
+        loaded_cohorts = (loaded or {}).get("global", {}).get("cohort_starts", {})
+        numels = [
+            b.numel for b in _buckets(groups, bucket_numel, self.bucket_per_group, loaded_cohorts)
+        ]
         check_bucket_numels(loaded or {}, numels, self.name)
 
     def forget(self, loaded: dict[str, Any] | None) -> None:
@@ -122,13 +128,33 @@ class BucketLayout:
 
 
 def _buckets(
-    param_groups: list[dict[str, Any]], bucket_numel: int | None, per_group: bool
+    param_groups: list[dict[str, Any]],
+    bucket_numel: int | None,
+    per_group: bool,
+    cohorts: Mapping[int, int],
 ) -> list[Bucket]:
-    """The buckets of ``param_groups``: a group that joined at another step starts a new one
-    (with ``per_group``, every group does)."""
-    starts = [
-        gi
-        for gi, g in enumerate(param_groups)
-        if gi and (per_group or g["first_step"] != param_groups[gi - 1]["first_step"])
+    """The buckets of ``param_groups``: parameters that joined at another step (a group added
+    later, or a parameter with a cohort of its own: ``cohorts``, flat index → its first step)
+    start a new one; with ``per_group``, so does every group."""
+    runs: list[dict[str, Any]] = []  # consecutive parameters of one group and one first step
+    owner: list[int] = []  # each run's param group
+    index = 0
+    for gi, group in enumerate(param_groups):
+        for p in group["params"]:
+            first = cohorts.get(index, group["first_step"])
+            index += 1
+            if not runs or owner[-1] != gi or runs[-1]["first_step"] != first:
+                runs.append({"params": [], "first_step": first})
+                owner.append(gi)
+            runs[-1]["params"].append(p)
+    new_at = [
+        i
+        for i in range(1, len(runs))
+        if (per_group and owner[i] != owner[i - 1])
+        or runs[i]["first_step"] != runs[i - 1]["first_step"]
     ]
-    return build_buckets(param_groups, bucket_numel, starts)
+    buckets = build_buckets(runs, bucket_numel, new_at)
+    for bucket in buckets:  # segments name the param group, not the run
+        bucket.first_step = runs[bucket.segments[0].group]["first_step"]
+        bucket.segments = [dataclasses.replace(s, group=owner[s.group]) for s in bucket.segments]
+    return buckets

@@ -21,12 +21,13 @@ from commopt.comm import Backend
 from commopt.compressed import NonFiniteError
 from commopt.exchange import Exchange
 from commopt.optim._adam import ZeroVarianceGuard, apply_exp_avg_mask_
-from commopt.optim._agreement import GradientAgreement, left_untouched
+from commopt.optim._agreement import GradientAgreement, describe_param, left_untouched
 from commopt.optim._checks import (
     check_no_scaler_after_early_work,
     check_overlap_arguments,
     check_param_group,
 )
+from commopt.optim._cohorts import cohort_starts, late_starters, refuse_late_start, start_cohorts
 from commopt.optim._communication import Communication
 from commopt.optim._layout import BucketLayout
 from commopt.optim._precision import master_weights, unscale_grads_
@@ -35,7 +36,7 @@ from commopt.optim._warnings import log_compression_started, warn_redone, warn_s
 from commopt.optim.config import ConfigAttributes
 from commopt.optim.early import CommThread, EarlyPlan, EarlyWork, GradientHooks
 from commopt.optim.flat_state import FlatState
-from commopt.optim.freeze import AutoFreeze, FreezePoint, VarianceLevel
+from commopt.optim.freeze import AutoFreeze, FreezePoint
 
 __all__ = ["TOPOLOGIES", "CompressedOptimizer"]
 
@@ -58,6 +59,7 @@ class CompressedOptimizer(ConfigAttributes, torch.optim.Optimizer):
     #: compute ``comm_stats()["compression_error"]`` (one dot product per compressed call)
     track_compression_error: bool = True
     #: the config field that may be ``"auto"`` or an AutoFreezeSettings (AutoFreeze decides)
+    _late_cohorts: ClassVar[bool] = True  # first trained late: own schedule (:mod:`._cohorts`)
     _freeze_field: ClassVar[str] = "freeze_step"
 
     def __init__(
@@ -122,8 +124,7 @@ class CompressedOptimizer(ConfigAttributes, torch.optim.Optimizer):
             self._hooks.attach(group["params"])  # before ours has run)
         # (added on some ranks only: the next step's model check fails on every rank alike)
 
-    # -- copies (copy.deepcopy, pickle): torch's keep only the state and groups --------------
-    def __getstate__(self) -> dict[str, Any]:
+    def __getstate__(self) -> dict[str, Any]:  # copy.deepcopy (torch's: state and groups only)
         return {k: v for k, v in self.__dict__.items() if k not in ("_hooks", "_early", "_thread")}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -151,12 +152,6 @@ class CompressedOptimizer(ConfigAttributes, torch.optim.Optimizer):
         """The last full-precision step: the config's, or the one AutoFreeze chose (or inf)."""
         return self._freeze.last_full_step()
 
-    def _observe_variance(
-        self, step: int, level: VarianceLevel | float, ready: bool = True
-    ) -> bool:
-        """Feed the variance level of step ``step`` to the automatic freeze; True once frozen."""
-        return self._freeze.observe(step, level, ready)
-
     @property
     def auto_freeze(self) -> AutoFreeze:
         """The automatic freeze rule and its state (restored from ``global_state``)."""
@@ -165,22 +160,20 @@ class CompressedOptimizer(ConfigAttributes, torch.optim.Optimizer):
     @property
     def flat_states(self) -> list[FlatState]:
         """One :class:`FlatState` per bucket (laid out at the first use)."""
-        if self._layout.states is None:
-            return self._layout.lay_out(*self._layout_args())
-        return self._layout.states
+        return self._layout.states or self._layout.lay_out(*self._layout_args())
 
     def _layout_args(self) -> tuple[Any, ...]:
         """What :meth:`BucketLayout.lay_out` reads from this optimizer, as it is now."""
-        return self.param_groups, self.state, self._bucket_numel, self.exchange, self.backend
+        be, cohorts = self.backend, cohort_starts(self.global_state)
+        return self.param_groups, self.state, self._bucket_numel, self.exchange, be, cohorts
 
     def first_step(self, state: FlatState) -> int:
         """The global step before this bucket's parameters joined (0 for the constructor's)."""
-        return self.param_groups[state.bucket.segments[0].group]["first_step"]
+        return state.bucket.first_step
 
     def segments(self, state: FlatState) -> Iterator[tuple[Segment, dict[str, Any]]]:
         """Each segment of the bucket with its param group."""
-        for seg in state.bucket.segments:
-            yield seg, self.param_groups[seg.group]
+        yield from ((seg, self.param_groups[seg.group]) for seg in state.bucket.segments)
 
     # -- per-step helpers for the algorithms ---------------------------------------------------
     def _compress(
@@ -232,8 +225,7 @@ class CompressedOptimizer(ConfigAttributes, torch.optim.Optimizer):
         return g
 
     def _take_exchanged_momentum(self, state: FlatState) -> bool:
-        """Commit the momentum the early work folded and exchanged for this bucket into
-        ``exp_avg`` (and its error buffers); False: none was, the algorithm does it now."""
+        """Commit the momentum the early work exchanged into ``exp_avg`` (False: none was)."""
         return self._early is not None and self._early.take_momentum(state, self._step_now)
 
     def _take_exchanged_gradient(self, state: FlatState) -> torch.Tensor | None:
@@ -242,8 +234,7 @@ class CompressedOptimizer(ConfigAttributes, torch.optim.Optimizer):
         return None if self._early is None else self._early.take_gradient(state, self._step_now)
 
     def _set_overlap(self, overlap: bool, bucket_numel: int | None) -> None:
-        """The constructor's ``overlap`` and ``bucket_numel``, once ``param_groups`` exist and
-        before the buckets are laid out (the thread's channel opens collectively here)."""
+        """The constructor's ``overlap`` and ``bucket_numel`` (the channel opens collectively)."""
         self._bucket_numel = check_overlap_arguments(overlap, bucket_numel, self._bucket_numel)
         if not overlap:
             return
@@ -313,6 +304,9 @@ class CompressedOptimizer(ConfigAttributes, torch.optim.Optimizer):
         if self._early is not None and self._early.failed(step):  # agreed by every rank
             self._skip(step, "non-finite values to exchange", True)
             return loss
+        gs, groups = self.global_state, self.param_groups
+        if collective and (late := late_starters(gs, verdict.without_grad, groups, step)):
+            states = self._start_late(late, step)  # (:mod:`._cohorts`)
         scale = getattr(self, "grad_scale", None)
         if scale is not None:
             check_no_scaler_after_early_work(
@@ -332,6 +326,18 @@ class CompressedOptimizer(ConfigAttributes, torch.optim.Optimizer):
             self._skip(step, "non-finite values to exchange", True)
         return loss
 
+    def _start_late(self, late: list[int], step: int) -> list[FlatState]:
+        """Late parameters start a cohort at ``step`` − 1 (0/1 Adam: refused once v froze)."""
+        if not self._late_cohorts:
+            if step > self.frozen_after():
+                where = [describe_param(self.param_groups, i) for i in late]
+                refuse_late_start(type(self).__name__, late, where, step)
+            return self.flat_states
+        start_cohorts(self.global_state, late, step)
+        if self._early is not None:  # what backward started was for the old buckets: redone
+            self._early.clear()
+        return self._layout.lay_out(*self._layout_args())
+
     def _skip(self, step: int, why: str, collective: bool) -> None:
         self.global_state["skipped_steps"] += 1  # (warn_skipped says why)
         warn_skipped(type(self).__name__, step, why, collective, self.backend.rank)
@@ -341,16 +347,14 @@ class CompressedOptimizer(ConfigAttributes, torch.optim.Optimizer):
     _step_supports_amp_scaling = True
 
     def comm_stats(self) -> dict[str, Any]:
-        """Traffic of this optimizer's backend plus full-precision vs compressed rounds, and
-        ``compression_error`` (:meth:`~commopt.optim._communication.Communication.stats`)."""
+        """Traffic, rounds and ``compression_error`` (:meth:`Communication.stats`)."""
         if self._early is not None:  # overlap: count what the thread can finish now
             self._early.settle()
         return self._comm.stats(self.global_state["skipped_steps"], self._layout.states or [])
 
     # -- checkpoints (commopt.optim._resume) ---------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """torch's ``state_dict`` plus ``"commopt"``: the config, the shared schedule state, and
-        this rank's exchange buffers with the rank and world size they belong to."""
+        """torch's plus ``"commopt"``: config, schedule, this rank's exchange buffers."""
         sd = super().state_dict()
         entry = self.config, self.global_state, self.backend, self.exchange.name
         sd["commopt"] = commopt_entry(*entry, self._layout.comm_state_dicts(), type(self).__name__)
@@ -377,14 +381,10 @@ class CompressedOptimizer(ConfigAttributes, torch.optim.Optimizer):
     def check_state_dict(
         self, state_dict: dict[str, Any], *, allow_config_change: bool = False
     ) -> None:
-        """Raise the ``ValueError`` that :meth:`load_state_dict` would, changing nothing
-        (:func:`commopt.load_checkpoint` asks every rank before anything is written).
-
-        Raises:
-            ValueError: another config (``freeze_step``: another phase), an undecided automatic
-                freeze saved with a smaller ``fraction``, other group sizes, or exchange
-                buffers saved for other buckets (another ``bucket_numel``).
-        """
+        """Raise the ``ValueError`` that :meth:`load_state_dict` would, changing nothing: another
+        config (``freeze_step``: another phase), an undecided automatic freeze saved with a
+        smaller ``fraction``, other group sizes, or exchange buffers saved for other buckets
+        (another ``bucket_numel``). :func:`commopt.load_checkpoint` asks it on every rank."""
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # an allowed change is warned about at the load
             self._checked(state_dict, allow_config_change)

@@ -192,9 +192,7 @@ class OnebitAdam(CompressedOptimizer):
         automatic = auto_settings(self.config.freeze_step) is not None
         if observed and automatic and math.isinf(freeze_step):
             corrected = operator.itemgetter("bias_correction")
-            self._observe_variance(
-                step, variance_level_of(observed, self.segments, step, corrected)
-            )
+            self._freeze.observe(step, variance_level_of(observed, self.segments, step, corrected))
 
     def _early_plan(self) -> WarmupThenMomentum:
         # m′ = β1·m + (1−β1)·g exchanged as step() exchanges m; without a gradient m·β1

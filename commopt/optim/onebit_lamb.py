@@ -238,7 +238,7 @@ class OnebitLamb(CompressedOptimizer):
             self._compressed_step(compressing)
         if warm and auto_settings(self.config.freeze_step) is not None and math.isinf(freeze_step):
             level = variance_level_of(warm, self.segments, step)
-            if self._observe_variance(step, level):  # frozen now: v_f starts as v
+            if self._freeze.observe(step, level):  # frozen now: v_f starts as v
                 for state in warm:
                     state.buffer("exp_avg_sq_fresh").copy_(state.flat["exp_avg_sq"])
 

@@ -158,6 +158,7 @@ class ZeroOneAdam(CompressedOptimizer):
     _flat_keys = ("exp_avg", "exp_avg_sq")
     _lazy_flat_keys = ("p_sync",)
     _freeze_field: ClassVar[str] = "var_freeze_step"
+    _late_cohorts: ClassVar[bool] = False  # v's schedule is global: refused once frozen
 
     def __init__(
         self,
@@ -262,7 +263,7 @@ class ZeroOneAdam(CompressedOptimizer):
         uncorrected = [g for s in states for _, g in self.segments(s) if not g["bias_correction"]]
         settled = max([1] + [settled_step(g["betas"][1], threshold) for g in uncorrected])
         level = variance_level_of(states, self.segments, k)
-        self._observe_variance(step, level, ready=k >= settled)
+        self._freeze.observe(step, level, ready=k >= settled)
 
     def _phase_b_step(self, step: int) -> None:
         gs = self.global_state

@@ -107,3 +107,40 @@ def test_steps_without_any_gradient_are_not_counted(info):
     assert s0 == s1 == info.steps + 1
     if info.communicates(info.steps + 1):
         assert torch.equal(w0, w1)
+
+
+def _unfreeze_late(backend, name: str, mode: str):
+    from tests.optim_registry import BY_NAME
+
+    info = BY_NAME[name]
+    torch.manual_seed(0)
+    a, b = torch.nn.Parameter(torch.randn(5, 3)), torch.nn.Parameter(torch.randn(7))
+    fresh_b = torch.nn.Parameter(b.detach().clone())
+    opt = info.make([a, b], mode=mode)
+    fresh = None
+    gen = torch.Generator().manual_seed(100 + backend.rank)
+    unfreeze = info.steps + 1
+    same = []
+    for t in range(1, 2 * info.steps + 2):
+        b.requires_grad_(t >= unfreeze)
+        x = torch.randn(5, generator=gen)
+        loss = (a.sum(1) * x).sum() + ((b * b).sum() * x.sum() if t >= unfreeze else 0.0)
+        if t == unfreeze:
+            fresh = info.make([fresh_b], mode=mode)
+        opt.zero_grad()
+        loss.backward()  # (with overlap, b's hook starts work for the old buckets at t = unfreeze)
+        if fresh is not None:
+            fresh.zero_grad()
+            ((fresh_b * fresh_b).sum() * x.sum()).backward()
+            fresh.step()
+        opt.step()
+        same.append(torch.equal(b, fresh_b))
+    return all(same), b.detach().clone(), a.detach().clone()
+
+
+@pytest.mark.parametrize("info", [i for i in OPTIMIZERS if i.name != "ZeroOneAdam"], ids=repr)
+@pytest.mark.parametrize("mode", ["standalone", "overlap"])
+def test_a_layer_unfrozen_late_trains_like_a_fresh_optimizer_on_two_ranks(info, mode):
+    (ok0, b0, a0), (ok1, b1, a1) = run_ranks(_unfreeze_late, 2, info.name, mode, timeout=60)
+    assert ok0 and ok1
+    assert torch.equal(b0, b1) and torch.equal(a0, a1)

@@ -137,3 +137,59 @@ def test_a_step_with_no_gradient_anywhere_changes_nothing_later(name):
     assert torch.equal(w, twin)
     if name != CONTROL:
         assert opt.global_state["step"] == twin_opt.global_state["step"] == 14
+
+
+@pytest.mark.parametrize("info", [i for i in OPTIMIZERS if i.name != "ZeroOneAdam"], ids=repr)
+def test_a_layer_unfrozen_after_the_warmup_trains_like_a_fresh_optimizer(info):
+    # Gradual unfreezing: a parameter frozen through the whole warmup, then unfrozen, never
+    # moved again (its variance was 0, frozen). It now starts its own schedule at its first
+    # gradient, as torch.optim starts a parameter's state there: bit for bit a fresh optimizer.
+    torch.manual_seed(0)
+    a, b = torch.nn.Parameter(torch.randn(5, 3)), torch.nn.Parameter(torch.randn(7))
+    fresh_b = torch.nn.Parameter(b.detach().clone())
+    opt = info.make([a, b])
+    fresh = None
+    gen = torch.Generator().manual_seed(3)
+    unfreeze = info.steps + 1  # past the freeze step
+    for t in range(1, 2 * info.steps + 2):
+        a.grad = torch.randn(a.shape, generator=gen)
+        b.grad = torch.randn(b.shape, generator=gen) if t >= unfreeze else None
+        if t == unfreeze:
+            fresh = info.make([fresh_b])
+        if fresh is not None:
+            fresh_b.grad = b.grad.clone()
+            fresh.step()
+        opt.step()
+        assert torch.equal(b, fresh_b), t
+    assert opt.global_state["cohort_starts"] == {1: unfreeze - 1}
+    assert not torch.equal(b, fresh_b.new_zeros(7))  # (it moved)
+    # and it survives a state dict round trip: the same buckets after loading
+    again = info.make([torch.nn.Parameter(a.detach().clone()), torch.nn.Parameter(b.detach())])
+    again.load_state_dict(opt.state_dict())
+    assert [s.bucket.numel for s in again.flat_states] == [s.bucket.numel for s in opt.flat_states]
+
+
+def test_zero_one_adam_refuses_a_parameter_first_trained_after_the_variance_froze():
+    from tests.optim_registry import BY_NAME
+
+    info = BY_NAME["ZeroOneAdam"]
+    a, b = torch.nn.Parameter(torch.randn(5)), torch.nn.Parameter(torch.randn(4))
+    opt = info.make([a, b])
+    frozen = info.config["var_freeze_step"]
+    for t in range(1, frozen + 2):
+        a.grad = torch.randn(5)
+        b.grad = torch.randn(4) if t == frozen + 1 else None
+        if t == frozen + 1:
+            with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[1\] got a first"):
+                opt.step()
+        else:
+            opt.step()
+    # unfrozen in phase A instead, it trains
+    c, d = torch.nn.Parameter(torch.randn(5)), torch.nn.Parameter(torch.randn(4))
+    start = d.detach().clone()
+    opt = info.make([c, d])
+    for t in range(1, frozen + 3):
+        c.grad = torch.randn(5)
+        d.grad = torch.randn(4) if t >= 2 else None
+        opt.step()
+    assert not torch.equal(d, start)
