@@ -18,10 +18,26 @@ same on every rank, so every rank moves the same parameters at the same step.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["cohort_starts", "late_starters", "refuse_late_start", "start_cohorts"]
+__all__ = ["Cohorts", "cohort_starts", "late_starters", "refuse_late_start", "start_cohorts"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Cohorts:
+    """What the bucket layout needs: the parameters (flat indices) with a first step of their
+    own, and those never trained, which get no bucket and no state (as in torch.optim)."""
+
+    starts: Mapping[int, int] = dataclasses.field(default_factory=dict)
+    untrained: frozenset[int] = frozenset()
+
+    @classmethod
+    def of(cls, schedule: Mapping[str, Any]) -> Cohorts:
+        return cls(
+            dict(schedule.get("cohort_starts", {})), frozenset(schedule.get("untrained", ()))
+        )
 
 
 def cohort_starts(schedule: dict[str, Any]) -> dict[int, int]:

@@ -17,6 +17,7 @@ import torch
 from commopt.buckets import Bucket, build_buckets
 from commopt.comm import Backend
 from commopt.exchange import Exchange
+from commopt.optim._cohorts import Cohorts
 from commopt.optim._resume import check_bucket_numels, restorable_buckets, restore_comm
 from commopt.optim.flat_state import FlatState
 
@@ -48,6 +49,8 @@ class BucketLayout:
         self.states: list[FlatState] | None = None
         #: the ``"commopt"`` entry of a loaded state dict, until the buckets exist
         self.pending: dict[str, Any] | None = None
+        #: the parameters the layout left out (never trained)
+        self.untrained: frozenset[int] = frozenset()
         #: every param group starts a bucket (0/1 Adam: a sync compresses lr-weighted
         #: updates, so groups of different lr must not share one 1-bit scale)
         self.bucket_per_group = False
@@ -59,11 +62,16 @@ class BucketLayout:
         bucket_numel: int | None,
         exchange: Exchange,
         backend: Backend,
-        cohorts: Mapping[int, int],
+        cohorts: Cohorts,
     ) -> list[FlatState]:
         """Buckets and their state; a bucket whose parameters are unchanged keeps its exchange
-        buffers, and loaded ones are restored into the new buckets."""
+        buffers, and loaded ones are restored into the new buckets. Parameters never trained
+        get none, and lose what they had (zeros: they never had a gradient)."""
         keep = {tuple(id(p) for p in s.bucket.params): s for s in self.states or []}
+        flat = [p for g in param_groups for p in g["params"]]
+        for i in cohorts.untrained:
+            if i < len(flat):
+                param_state.pop(flat[i], None)
         states = []
         for bucket in _buckets(param_groups, bucket_numel, self.bucket_per_group, cohorts):
             state = FlatState(
@@ -83,6 +91,7 @@ class BucketLayout:
             restore_comm(states, self.pending, backend, exchange.name, self.name)
             self.pending = None
         self.states = states
+        self.untrained = cohorts.untrained
         return states
 
     def check_loadable(
@@ -94,7 +103,7 @@ class BucketLayout:
         bucket_numel: int | None,
         exchange: Exchange,
         backend: Backend,
-        cohorts: Mapping[int, int],
+        cohorts: Cohorts,
     ) -> None:
         """ValueError now, not at the next step, when the exchange buffers of ``loaded`` (a
         state dict's ``"commopt"`` entry) would not fit the buckets that ``param_groups`` with
@@ -106,7 +115,7 @@ class BucketLayout:
             {**g, "first_step": s.get("first_step", 0)}
             for g, s in zip(param_groups, saved_groups, strict=True)
         ]
-        loaded_cohorts = (loaded or {}).get("global", {}).get("cohort_starts", {})
+        loaded_cohorts = Cohorts.of((loaded or {}).get("global", {}))
         numels = [
             b.numel for b in _buckets(groups, bucket_numel, self.bucket_per_group, loaded_cohorts)
         ]
@@ -131,18 +140,20 @@ def _buckets(
     param_groups: list[dict[str, Any]],
     bucket_numel: int | None,
     per_group: bool,
-    cohorts: Mapping[int, int],
+    cohorts: Cohorts,
 ) -> list[Bucket]:
     """The buckets of ``param_groups``: parameters that joined at another step (a group added
-    later, or a parameter with a cohort of its own: ``cohorts``, flat index → its first step)
-    start a new one; with ``per_group``, so does every group."""
+    later, or a parameter with a cohort of its own) start a new one; with ``per_group``, so does
+    every group. Parameters never trained are left out."""
     runs: list[dict[str, Any]] = []  # consecutive parameters of one group and one first step
     owner: list[int] = []  # each run's param group
     index = 0
     for gi, group in enumerate(param_groups):
         for p in group["params"]:
-            first = cohorts.get(index, group["first_step"])
+            first = cohorts.starts.get(index, group["first_step"])
             index += 1
+            if index - 1 in cohorts.untrained:
+                continue
             if not runs or owner[-1] != gi or runs[-1]["first_step"] != first:
                 runs.append({"params": [], "first_step": first})
                 owner.append(gi)

@@ -27,7 +27,7 @@ from commopt.optim._checks import (
     check_overlap_arguments,
     check_param_group,
 )
-from commopt.optim._cohorts import cohort_starts, late_starters, refuse_late_start, start_cohorts
+from commopt.optim._cohorts import Cohorts, late_starters, refuse_late_start, start_cohorts
 from commopt.optim._communication import Communication
 from commopt.optim._layout import BucketLayout
 from commopt.optim._precision import master_weights, unscale_grads_
@@ -164,7 +164,7 @@ class CompressedOptimizer(ConfigAttributes, torch.optim.Optimizer):
 
     def _layout_args(self) -> tuple[Any, ...]:
         """What :meth:`BucketLayout.lay_out` reads from this optimizer, as it is now."""
-        be, cohorts = self.backend, cohort_starts(self.global_state)
+        be, cohorts = self.backend, Cohorts.of(self.global_state)
         return self.param_groups, self.state, self._bucket_numel, self.exchange, be, cohorts
 
     def first_step(self, state: FlatState) -> int:
@@ -305,8 +305,9 @@ class CompressedOptimizer(ConfigAttributes, torch.optim.Optimizer):
             self._skip(step, "non-finite values to exchange", True)
             return loss
         gs, groups = self.global_state, self.param_groups
-        if collective and (late := late_starters(gs, verdict.without_grad, groups, step)):
-            states = self._start_late(late, step)  # (:mod:`._cohorts`)
+        late = late_starters(gs, verdict.without_grad, groups, step) if collective else []
+        if late or self._layout.untrained != Cohorts.of(gs).untrained:  # (:mod:`._cohorts`)
+            states = self._start_late(late, step)
         scale = getattr(self, "grad_scale", None)
         if scale is not None:
             check_no_scaler_after_early_work(
@@ -315,7 +316,8 @@ class CompressedOptimizer(ConfigAttributes, torch.optim.Optimizer):
             unscale_grads_(params, scale)
         self.global_state["step"] = step
         try:
-            with left_untouched([params[i] for i in verdict.without_grad], self.state):
+            untouched = [params[i] for i in verdict.without_grad if i not in self._layout.untrained]
+            with left_untouched(untouched, self.state):
                 with master_weights(states, self.state):
                     self._step(step)
             if not self._compression_announced and self._comm.rounds["compressed"] > 0:
@@ -327,13 +329,12 @@ class CompressedOptimizer(ConfigAttributes, torch.optim.Optimizer):
         return loss
 
     def _start_late(self, late: list[int], step: int) -> list[FlatState]:
-        """Late parameters start a cohort at ``step`` − 1 (0/1 Adam: refused once v froze)."""
-        if not self._late_cohorts:
-            if step > self.frozen_after():
-                where = [describe_param(self.param_groups, i) for i in late]
-                refuse_late_start(type(self).__name__, late, where, step)
-            return self.flat_states
-        start_cohorts(self.global_state, late, step)
+        """Lay out anew: late ones start a cohort at ``step`` − 1; untrained ones hold nothing."""
+        if late and not self._late_cohorts and step > self.frozen_after():
+            where = [describe_param(self.param_groups, i) for i in late]
+            refuse_late_start(type(self).__name__, late, where, step)
+        if late and self._late_cohorts:
+            start_cohorts(self.global_state, late, step)
         if self._early is not None:  # what backward started was for the old buckets: redone
             self._early.clear()
         return self._layout.lay_out(*self._layout_args())

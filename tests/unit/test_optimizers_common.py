@@ -10,7 +10,6 @@ numerics (references, schedules, σ, …) stay in the per-optimizer files.
 from __future__ import annotations
 
 import ast
-import math
 import pathlib
 import warnings
 
@@ -382,14 +381,12 @@ def test_zero_size_parameters_stay_finite_and_change_nothing(info, dtype) -> Non
             assert torch.equal(p, q), t
             for key, value in opt.state[p].items():
                 assert torch.equal(value, twin_opt.state[q][key]), (t, key)
-    for p in [*empty, alone]:
-        o = alone_opt if p is alone else twin_opt
-        assert p.numel() == 0
-        for key in info.state_keys:
-            value = o.state[p][key]
-            assert value.shape == (p.shape if value.dim() else ()), key
-            assert bool(torch.isfinite(value).all()), key
-    assert math.isfinite(float(sum(float(v.sum()) for v in twin_opt.state[empty[0]].values())))
+    for p in empty:  # never a gradient: no state, as in torch.optim
+        assert p.numel() == 0 and not twin_opt.state.get(p)
+    for key in info.state_keys:
+        value = alone_opt.state[alone][key]
+        assert value.shape == (alone.shape if value.dim() else ()), key
+        assert bool(torch.isfinite(value).all()), key
     # a checkpoint with them round-trips
     resumed_model = make_model(9, dtype)
     resumed_model.load_state_dict(twin.state_dict())
@@ -419,38 +416,30 @@ def test_zero_size_parameters_stay_finite_and_change_nothing(info, dtype) -> Non
 @pytest.mark.parametrize("info", OPTIMIZERS, ids=str)
 def test_parameter_without_gradient_never_moves(info) -> None:
     """A parameter with no gradient (on every rank) is skipped entirely, as torch.optim skips
-    ``grad is None``: it never moves and its state never changes; the rest of the model trains
-    exactly as when that parameter had a zero gradient instead (docs/optimizers.md)."""
-    runs = []
-    for zero_grad in (False, True):
-        model, opt = build(info, seed=10)
-        unused = torch.nn.Parameter(torch.linspace(-1.0, 1.0, 7))
-        opt.add_param_group({"params": [unused], "weight_decay": 0.0})
-        runs.append((model, opt, unused, zero_grad))
-    start = runs[0][2].detach().clone()
-    first_state = None
+    ``grad is None``: it never moves and holds no state; the rest of the model trains exactly
+    as without that parameter (docs/optimizers.md). (A *zero* gradient is a gradient: with it
+    1-bit LAMB's bucket-wide scale counts the tensor, as DeepSpeed's does.)"""
+    model, opt = build(info, seed=10)
+    unused = torch.nn.Parameter(torch.linspace(-1.0, 1.0, 7))
+    opt.add_param_group({"params": [unused], "weight_decay": 0.0})
+    model2, opt2 = build(info, seed=10)  # the same model, without that parameter
+    start = unused.detach().clone()
     for t in range(1, info.steps + 1):
-        for model, opt, unused, zero_grad in runs:
-            opt.zero_grad()
-            loss_of(model, 0, t).backward()
-            if zero_grad:
-                unused.grad = torch.zeros_like(unused)
-            opt.step()
-        (model, opt, unused, _), (model2, opt2, _, _) = runs
+        for m, o in ((model, opt), (model2, opt2)):
+            o.zero_grad()
+            loss_of(m, 0, t).backward()
+            o.step()
         assert unused.grad is None and torch.equal(unused, start), t
-        for key in ("exp_avg", "exp_avg_sq"):
-            assert torch.count_nonzero(opt.state[unused][key]) == 0, (t, key)
-        first_state = first_state or snapshot([unused], opt)
-        now = snapshot([unused], opt)  # lazily created state (v_f, p_sync) may appear later
-        assert snapshot_diff(first_state, now, skip=("global_state",), allow_new=True) == [], t
+        assert not opt.state.get(unused), t  # never a gradient: no state, as in torch.optim
         a = snapshot([*model.parameters()], opt)
         b = snapshot([*model2.parameters()], opt2)
         assert snapshot_diff(a, b, skip=("global_state",)) == [], t
         # the schedules agree; only the note of which parameters never had a gradient differs
+        # (and 0/1 Adam's per-group Σ η, which has one more group)
         gs_a, gs_b = a["global_state"], b["global_state"]
-        assert {k for k in gs_a.keys() | gs_b.keys() if gs_a.get(k) != gs_b.get(k)} <= {
-            "untrained"
-        }, t
+        differ = {k for k in gs_a.keys() | gs_b.keys() if gs_a.get(k) != gs_b.get(k)}
+        assert differ <= {"untrained", "tracked", "lrs"}, t
+        assert gs_a.get("lrs", [])[: len(gs_b.get("lrs", []))] == gs_b.get("lrs", []), t
 
 
 @pytest.mark.parametrize("info", OPTIMIZERS, ids=str)
