@@ -166,10 +166,8 @@ def test_four_ranks_warmup_replicas_and_call_count():
     assert len(buckets) >= 3
     assert r0["rounds"] == (WARMUP * len(buckets), COMPRESSED * len(buckets))
     # 2 flags (sparse, non-finite), the model key and its negation, the gradient digest and its
-    # negation (DDP-without-hook check), the redo flag (overlap), and one has-gradient flag
-    # per parameter, int64
-    # the agreement: 9 flags (sparse, non-finite, model and settings keys, digest, redo) + one
-    # per parameter
+    # negation (DDP-without-hook check), the redo flag (overlap), the settings key and its
+    # negation, and one has-gradient flag per parameter, int64
     flag_bytes = model_bytes("all_reduce", (9 + r0["n_params"]) * 8, n)
     for res in results:
         for t, (ops, nbytes, calls) in enumerate(res["per_step"], start=1):
