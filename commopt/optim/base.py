@@ -162,8 +162,7 @@ class CompressedOptimizer(ConfigAttributes, torch.optim.Optimizer):
         """One :class:`FlatState` per bucket (laid out at the first use)."""
         return self._layout.states or self._layout.lay_out(*self._layout_args())
 
-    def _layout_args(self) -> tuple[Any, ...]:
-        """What :meth:`BucketLayout.lay_out` reads from this optimizer, as it is now."""
+    def _layout_args(self) -> tuple[Any, ...]:  # what BucketLayout.lay_out reads, as it is now
         be, cohorts = self.backend, Cohorts.of(self.global_state)
         return self.param_groups, self.state, self._bucket_numel, self.exchange, be, cohorts
 
@@ -252,6 +251,7 @@ class CompressedOptimizer(ConfigAttributes, torch.optim.Optimizer):
             self._hooks.paused = previous
 
     # -- torch.optim.Optimizer API ------------------------------------------------------------
+    @torch.compiler.disable  # communicates: torch.compile(opt.step) runs it as it is, eagerly
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """One step: agree on the gradients, run the algorithm, or skip on every rank alike."""

@@ -144,3 +144,28 @@ def test_a_layer_unfrozen_late_trains_like_a_fresh_optimizer_on_two_ranks(info, 
     (ok0, b0, a0), (ok1, b1, a1) = run_ranks(_unfreeze_late, 2, info.name, mode, timeout=60)
     assert ok0 and ok1
     assert torch.equal(b0, b1) and torch.equal(a0, a1)
+
+
+def _compiled(backend, name: str, compiled: bool):
+    from tests.optim_registry import BY_NAME
+
+    info = BY_NAME[name]
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(40))
+    opt = info.make([w])
+    step = torch.compile(opt.step) if compiled else opt.step
+    gen = torch.Generator().manual_seed(backend.rank)
+    for _ in range(info.steps):
+        w.grad = torch.randn(40, generator=gen)
+        step()
+    return w.detach().clone()
+
+
+@pytest.mark.parametrize("info", OPTIMIZERS, ids=repr)
+def test_torch_compile_of_step_runs_the_step_as_it_is(info):
+    # torch.compile(opt.step) failed deep in dynamo (numba's dispatcher, nonzero's dynamic
+    # shape); the step is now opaque to dynamo (torch.compiler.disable): the same bits.
+    eager = run_ranks(_compiled, 2, info.name, False, timeout=120)
+    compiled = run_ranks(_compiled, 2, info.name, True, timeout=120)
+    for a, b in zip(eager, compiled, strict=True):
+        assert torch.equal(a, b)
