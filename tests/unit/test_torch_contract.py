@@ -193,3 +193,32 @@ def test_zero_one_adam_refuses_a_parameter_first_trained_after_the_variance_froz
         d.grad = torch.randn(4) if t >= 2 else None
         opt.step()
     assert not torch.equal(d, start)
+
+
+@pytest.mark.parametrize("info", OPTIMIZERS, ids=repr)
+def test_a_state_dict_from_before_the_untrained_note_resumes_exactly(info):
+    # State dicts saved before commopt noted which parameters never trained lack "tracked" and
+    # "untrained": what they held must count as trained, or every parameter would restart
+    # its warmup as a late starter.
+    from tests.optim_registry import reload
+
+    torch.manual_seed(0)
+    w, twin = torch.nn.Parameter(torch.randn(9)), None
+    opt = info.make([w])
+    gen = torch.Generator().manual_seed(1)
+    grads = [torch.randn(9, generator=gen) for _ in range(info.steps)]
+    for g in grads[:2]:
+        w.grad = g.clone()
+        opt.step()
+    sd = reload(opt.state_dict())
+    for key in ("tracked", "untrained"):
+        del sd["commopt"]["global"][key]
+    twin = torch.nn.Parameter(w.detach().clone())
+    twin_opt = info.make([twin])
+    twin_opt.load_state_dict(sd)
+    for g in grads[2:]:
+        w.grad, twin.grad = g.clone(), g.clone()
+        opt.step()
+        twin_opt.step()
+    assert torch.equal(w, twin)
+    assert "cohort_starts" not in twin_opt.global_state
