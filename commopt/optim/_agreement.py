@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from commopt.comm import Backend
-from commopt.optim._settings import check_same_settings, settings_items, settings_key
+from commopt.optim._settings import item_key, settings_items, settings_key
 from commopt.optim._warnings import warn_averaged_already
 
 __all__ = [
@@ -25,7 +25,9 @@ __all__ = [
     "GradientVerdict",
     "agree_on_gradients",
     "check_same_model",
+    "check_same_settings",
     "describe_param",
+    "first_difference",
     "left_untouched",
     "model_key",
     "nonfinite_ranks",
@@ -44,6 +46,59 @@ def model_key(params: Sequence[torch.Tensor]) -> int:
     for p in params:
         h.update(_fingerprint(p).to_bytes(8, "little"))
     return int.from_bytes(h.digest(), "little") >> 1
+
+
+def first_difference(backend: Backend, keys: Sequence[int]) -> tuple[int, int, int | None]:
+    """Where the ranks' lists of 63-bit ``keys`` first differ (collective: two small
+    all-reduces, the lengths, then the keys every rank has). Returns the largest and the
+    smallest length, and the first index whose key differs on some rank, or the smallest length
+    when only the lengths differ, or None when the lists are equal."""
+    count = torch.tensor([len(keys), -len(keys)], dtype=torch.int64)
+    backend.all_reduce(count, "max")
+    largest, common = int(count[0]), int(-count[1])
+    mine = torch.tensor(list(keys[:common]), dtype=torch.int64)
+    both = torch.cat([mine, -mine])
+    backend.all_reduce(both, "max")
+    differ = (both[:common] != -both[common:]).nonzero()
+    if len(differ):
+        return largest, common, int(differ[0])
+    return largest, common, (None if largest == common else common)
+
+
+_VALUE_BYTES = 48  # how much of each rank's setting check_same_settings shows
+
+
+def check_same_settings(backend: Backend, items: Sequence[tuple[str, str]], owner: str) -> None:
+    """Raise the same ValueError on every rank unless every rank has the same ``items``
+    (:func:`~commopt.optim._settings.settings_items`), naming the first setting that differs
+    and every rank's value (all-gathered); nothing when only the digest collided."""
+    be = backend
+    if be.world_size == 1:
+        return
+    largest, common, i = first_difference(be, [item_key(n, v) for n, v in items])
+    if i is None:
+        return
+    name = items[i][0] if i < len(items) else f"setting #{i}"
+    mine = (items[i][1] if i < len(items) else "(absent)").encode()[:_VALUE_BYTES]
+    raw = torch.zeros(_VALUE_BYTES, dtype=torch.uint8)
+    raw[: len(mine)] = torch.tensor(list(mine), dtype=torch.uint8)
+    gathered = torch.empty(be.world_size * _VALUE_BYTES, dtype=torch.uint8)
+    be.all_gather(gathered, raw)
+    values = ", ".join(
+        f"rank {r} {bytes(row[row != 0].tolist()).decode(errors='replace')}"
+        for r, row in enumerate(gathered.view(be.world_size, _VALUE_BYTES))
+    )
+    what = (
+        f"{name} differs between ranks: {values}"
+        if largest == common
+        else f"the param groups hold different options on different ranks (first at {name}: "
+        f"{values})"
+    )
+    raise ValueError(
+        f"{owner}: {what}. Every rank must build the optimizer with the same hyperparameters "
+        "and change them alike (the same scheduler, stepped on a metric all ranks share): with "
+        "different ones the replicas drift apart"
+    )
 
 
 def check_same_model(
@@ -67,16 +122,9 @@ def check_same_model(
     be = backend
     if be.world_size == 1:
         return
-    count = torch.tensor([len(params), -len(params)], dtype=torch.int64)
-    be.all_reduce(count, "max")
-    largest, common = int(count[0]), int(-count[1])
-    prints = torch.tensor([_fingerprint(p) for p in params[:common]], dtype=torch.int64)
-    both = torch.cat([prints, -prints])
-    be.all_reduce(both, "max")
-    mismatch = (both[:common] != -both[common:]).nonzero()
-    if not len(mismatch) and largest == common:
+    largest, common, i = first_difference(be, [_fingerprint(p) for p in params])
+    if i is None:
         return
-    i = int(mismatch[0]) if len(mismatch) else common
     if i < len(params):
         where = (
             f"{describe(i)} ({index} {i}), shape {tuple(params[i].shape)} {params[i].dtype} "

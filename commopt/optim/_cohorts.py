@@ -53,14 +53,15 @@ def late_starters(
 ) -> list[int]:
     """Note this step's gradients (``without_grad``: the agreed flat indices of parameters with
     none on any rank) and return those that get their first one now, after a step without."""
-    starts = [g["first_step"] for g in param_groups for _ in g["params"]]
+    count = sum(len(g["params"]) for g in param_groups)
     if "tracked" not in schedule and schedule.get("step", 0) > 0:
         # a schedule from before this note (an older commopt's state dict): what it held had
         # trained, as far as anyone can tell; starting them anew would restart their warmup
-        schedule["tracked"], schedule["untrained"] = len(starts), []
+        schedule["tracked"], schedule["untrained"] = count, []
     tracked = schedule.get("tracked", 0)
-    if tracked == len(starts) and not schedule.get("untrained"):
+    if tracked == count and not schedule.get("untrained"):
         return []  # every parameter has trained: nothing to note (the usual case)
+    starts = [g["first_step"] for g in param_groups for _ in g["params"]]
     untrained = set(schedule.get("untrained", ())) | set(range(tracked, len(starts)))
     trained_now = untrained - set(without_grad)
     own = cohort_starts(schedule)

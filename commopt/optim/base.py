@@ -58,8 +58,8 @@ class CompressedOptimizer(ConfigAttributes, torch.optim.Optimizer):
     _bucket_numel: int | None = DEFAULT_BUCKET_NUMEL
     #: compute ``comm_stats()["compression_error"]`` (one dot product per compressed call)
     track_compression_error: bool = True
-    #: the config field that may be ``"auto"`` or an AutoFreezeSettings (AutoFreeze decides)
     _late_cohorts: ClassVar[bool] = True  # first trained late: own schedule (:mod:`._cohorts`)
+    #: the config field that may be ``"auto"`` or an AutoFreezeSettings (AutoFreeze decides)
     _freeze_field: ClassVar[str] = "freeze_step"
 
     def __init__(
@@ -160,7 +160,8 @@ class CompressedOptimizer(ConfigAttributes, torch.optim.Optimizer):
     @property
     def flat_states(self) -> list[FlatState]:
         """One :class:`FlatState` per bucket (laid out at the first use)."""
-        return self._layout.states or self._layout.lay_out(*self._layout_args())
+        states = self._layout.states  # (None: not laid out; [] when nothing has trained yet)
+        return states if states is not None else self._layout.lay_out(*self._layout_args())
 
     def _layout_args(self) -> tuple[Any, ...]:  # what BucketLayout.lay_out reads, as it is now
         be, cohorts = self.backend, Cohorts.of(self.global_state)
@@ -228,8 +229,7 @@ class CompressedOptimizer(ConfigAttributes, torch.optim.Optimizer):
         return self._early is not None and self._early.take_momentum(state, self._step_now)
 
     def _take_exchanged_gradient(self, state: FlatState) -> torch.Tensor | None:
-        """The bucket's local gradient exchanged at one bit during backward (``GRADIENT``),
-        its error buffers committed; None: it was not, the algorithm does it now."""
+        """The local gradient exchanged at one bit in backward, errors committed (None: not)."""
         return None if self._early is None else self._early.take_gradient(state, self._step_now)
 
     def _set_overlap(self, overlap: bool, bucket_numel: int | None) -> None:
