@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 import traceback
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -24,6 +25,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+import commopt
 
 __all__ = ["RankError", "run_ranks"]
 
@@ -166,3 +169,41 @@ def run_example_under_torchrun(
             ) from None
     assert proc.returncode == 0, output[-4000:]
     return json.loads((out / "result.json").read_text())
+
+
+def run_fault_rank(
+    rank: int,
+    world: int,
+    port: int,
+    out: str,
+    env: dict[str, str],
+    train: Callable[[], None],
+    timeout: float,
+) -> None:
+    """For the fault tests, which stop a rank on purpose: a forked rank as torchrun would start
+    it (no MPI variables), ``commopt.init(timeout=timeout)``, then ``train()``; writes
+    ``rank{r}.txt`` (its exception, or that it finished) and ``rank{r}_end`` (when), and exits
+    (1 on an exception)."""
+    try:
+        torch.set_num_threads(1)
+        for var in [v for v in os.environ if v.startswith(("OMPI_", "PMI_", "PMIX_"))]:
+            del os.environ[var]
+        os.environ.update(
+            RANK=str(rank),
+            WORLD_SIZE=str(world),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            **env,
+        )
+        commopt.init("torch", device="cpu", timeout=timeout)
+        train()
+        message = "finished without error"
+        code = 0
+    except BaseException as err:
+        message = f"{type(err).__name__}: {err}\n{traceback.format_exc()}"
+        code = 1
+    with open(os.path.join(out, f"rank{rank}.txt"), "w") as f:
+        f.write(message)
+    with open(os.path.join(out, f"rank{rank}_end"), "w") as f:
+        f.write(repr(time.time()))
+    os._exit(code)

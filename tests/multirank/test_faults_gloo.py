@@ -8,20 +8,20 @@ exit non-zero, with an error naming the collective, within the timeout. The MPI 
 
 from __future__ import annotations
 
+import functools
 import multiprocessing as mp
 import os
 import signal
 import subprocess
 import sys
 import time
-import traceback
 
 import pytest
 import torch
 
 import commopt
 from commopt.faults import EXIT_CODE, CollectiveError, watch
-from tests.multirank.harness import free_port
+from tests.multirank.harness import free_port, run_fault_rank
 
 TIMEOUT_S = 4.0
 
@@ -45,25 +45,8 @@ def _train_until_fault(rank: int, mode: str, out: str = "") -> None:
 
 
 def _gloo_rank(rank: int, port: int, mode: str, out: str) -> None:
-    try:
-        torch.set_num_threads(1)
-        for var in [v for v in os.environ if v.startswith(("OMPI_", "PMI_", "PMIX_"))]:
-            del os.environ[var]
-        os.environ.update(
-            RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
-        )
-        commopt.init("torch", device="cpu", timeout=TIMEOUT_S)
-        _train_until_fault(rank, mode, out)
-        message = "finished without error"
-        code = 0
-    except BaseException as err:
-        message = f"{type(err).__name__}: {err}\n{traceback.format_exc()}"
-        code = 1
-    with open(os.path.join(out, f"rank{rank}.txt"), "w") as f:
-        f.write(message)
-    with open(os.path.join(out, f"rank{rank}_end"), "w") as f:
-        f.write(repr(time.time()))
-    os._exit(code)
+    train = functools.partial(_train_until_fault, rank, mode, out)
+    run_fault_rank(rank, 2, port, out, {}, train, TIMEOUT_S)
 
 
 @pytest.mark.parametrize("mode", ["kill", "hang"])

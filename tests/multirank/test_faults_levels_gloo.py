@@ -11,17 +11,17 @@ The MPI counterpart is ``test_faults_mpi_launch.py``'s hierarchical case.
 
 from __future__ import annotations
 
+import functools
 import multiprocessing as mp
 import os
 import time
-import traceback
 
 import pytest
 import torch
 
 import commopt
 from commopt.comm.shm_backend import shared_memory_usable
-from tests.multirank.harness import free_port
+from tests.multirank.harness import free_port, run_fault_rank
 
 TIMEOUT_S = 4.0
 WORLD = 4
@@ -76,32 +76,9 @@ def _train(rank: int, case: str, out: str) -> None:
 
 
 def _rank(rank: int, port: int, case: str, out: str, env: dict[str, str]) -> None:
-    try:
-        torch.set_num_threads(1)
-        for var in [v for v in os.environ if v.startswith(("OMPI_", "PMI_", "PMIX_"))]:
-            del os.environ[var]
-        os.environ.update(
-            RANK=str(rank),
-            WORLD_SIZE=str(WORLD),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            LOCAL_RANK=str(rank % 2),
-            LOCAL_WORLD_SIZE="2",
-            GROUP_RANK=str(rank // 2),
-            **env,
-        )
-        commopt.init("torch", device="cpu", timeout=TIMEOUT_S)
-        _train(rank, case, out)
-        message = "finished without error"
-        code = 0
-    except BaseException as err:
-        message = f"{type(err).__name__}: {err}\n{traceback.format_exc()}"
-        code = 1
-    with open(os.path.join(out, f"rank{rank}.txt"), "w") as f:
-        f.write(message)
-    with open(os.path.join(out, f"rank{rank}_end"), "w") as f:
-        f.write(repr(time.time()))
-    os._exit(code)
+    nodes = {"LOCAL_RANK": str(rank % 2), "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": str(rank // 2)}
+    train = functools.partial(_train, rank, case, out)
+    run_fault_rank(rank, WORLD, port, out, {**nodes, **env}, train, TIMEOUT_S)
 
 
 def _run(

@@ -66,17 +66,16 @@ def _mpi_env() -> dict[str, str]:
     return env
 
 
-@pytest.mark.skipif(shutil.which("mpiexec") is None, reason="no mpiexec on PATH")
-@pytest.mark.parametrize("backend", ["mpi", "auto"])
-@pytest.mark.parametrize("mode", ["kill", "hang"])
-def test_mpi_survivor_stops(tmp_path, mode, backend):
-    pytest.importorskip("mpi4py", reason="the MPI backend needs mpi4py")
-    if "OMPI_COMM_WORLD_RANK" in os.environ:
-        pytest.skip("already inside an mpiexec job; this test launches its own")
-    script = tmp_path / "fault.py"
-    script.write_text(_MPI_SCRIPT)
+def _run_failing_job(
+    tmp_path, source: str, ranks: int, *args: str
+) -> tuple[subprocess.CompletedProcess[str], str]:
+    """Run ``source`` under ``mpiexec -n ranks`` (timeout 3 s inside) and check that the job
+    ended non-zero and unfinished within the timeout plus the launcher's tear-down, counted
+    from the fault (the script writes ``fault_time``). Returns the process and its output."""
+    script = tmp_path / "job.py"
+    script.write_text(source)
     proc = subprocess.run(
-        ["timeout", "150", "mpiexec", "-n", "2", sys.executable, str(script), mode, "3", backend],
+        ["timeout", "150", "mpiexec", "-n", str(ranks), sys.executable, str(script), *args],
         capture_output=True,
         text=True,
         env=_mpi_env(),
@@ -90,6 +89,17 @@ def test_mpi_survivor_stops(tmp_path, mode, backend):
     # From the fault to the end of the whole job: the timeout plus the launcher's tear-down.
     waited = end - float((tmp_path / "fault_time").read_text())
     assert waited < 3 + 30, (waited, output[-3000:])
+    return proc, output
+
+
+@pytest.mark.skipif(shutil.which("mpiexec") is None, reason="no mpiexec on PATH")
+@pytest.mark.parametrize("backend", ["mpi", "auto"])
+@pytest.mark.parametrize("mode", ["kill", "hang"])
+def test_mpi_survivor_stops(tmp_path, mode, backend):
+    pytest.importorskip("mpi4py", reason="the MPI backend needs mpi4py")
+    if "OMPI_COMM_WORLD_RANK" in os.environ:
+        pytest.skip("already inside an mpiexec job; this test launches its own")
+    proc, output = _run_failing_job(tmp_path, _MPI_SCRIPT, 2, mode, "3", backend)
     if mode == "hang" and backend == "mpi":
         assert "commopt watchdog" in output and "has not completed" in output, output[-3000:]
         assert "on rank 0 of 2 (mpi backend)" in output
@@ -139,20 +149,5 @@ def test_mpi_rank_stalled_inside_a_hierarchical_level_ends_the_job(tmp_path, lev
     pytest.importorskip("mpi4py", reason="the MPI backend needs mpi4py")
     if "OMPI_COMM_WORLD_RANK" in os.environ:
         pytest.skip("already inside an mpiexec job; this test launches its own")
-    script = tmp_path / "levels.py"
-    script.write_text(_MPI_LEVELS_SCRIPT)
-    proc = subprocess.run(
-        ["timeout", "150", "mpiexec", "-n", "4", sys.executable, str(script), level, "3"],
-        capture_output=True,
-        text=True,
-        env=_mpi_env(),
-        cwd=str(tmp_path),
-        timeout=180,
-    )
-    end = time.time()
-    output = proc.stdout + proc.stderr
-    assert proc.returncode not in (0, 124), f"rc={proc.returncode}\n{output[-3000:]}"
-    assert "finished" not in proc.stdout
+    _, output = _run_failing_job(tmp_path, _MPI_LEVELS_SCRIPT, 4, level, "3")
     assert "commopt watchdog" in output and "has not completed" in output, output[-3000:]
-    waited = end - float((tmp_path / "fault_time").read_text())
-    assert waited < 3 + 30, (waited, output[-3000:])
