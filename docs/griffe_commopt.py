@@ -7,7 +7,8 @@ mkdocstrings reads them statically. Before they are rendered, this rewrites
 - ``:class:`~commopt.x.Y``` (any role) into a link to that object when it is in the site, the
   name as code otherwise (``~``: the last component only; ``.x`` is relative to the package);
 - a ``.. math::`` block into a ``$$`` block, which arithmatex and MathJax typeset;
-- ``{schedule_and_resume}`` into the text ``commopt.optim.config.document_schedule`` puts there;
+- ``{schedule_and_resume}`` and ``{communication_options}`` into the text
+  ``commopt.optim.config.configured_by`` puts there;
 - a default that names a constant (``DEFAULT_FREEZE_STEP``) into its value (``100000``).
 
 ``docs/hooks.py`` fails the build on anything of the kind left in a reference page.
@@ -22,6 +23,8 @@ from typing import Any
 
 import griffe
 
+from commopt.optim.config import COMM_OPTIONS_DOC, SCHEDULE_AND_RESUME_DOC, fill_template
+
 _ROLE = re.compile(
     r":(?:class|meth|func|mod|attr|data|exc|obj|ref):`(~?)([^`<]*?)(?:\s*<([^>]+)>)?`"
 )
@@ -32,9 +35,11 @@ _CONSTANT = re.compile(r"^[A-Z][A-Z0-9_]*$")
 
 
 def _templates() -> dict[str, str]:
-    from commopt.optim.config import SCHEDULE_AND_RESUME_DOC
 
-    return {"{schedule_and_resume}": SCHEDULE_AND_RESUME_DOC}
+    return {
+        "{schedule_and_resume}": SCHEDULE_AND_RESUME_DOC,
+        "{communication_options}": COMM_OPTIONS_DOC,
+    }
 
 
 def _roles(text: str, module: str) -> str:
@@ -88,7 +93,7 @@ class CommoptDocstrings(griffe.Extension):
             if obj.docstring is not None:
                 text = obj.docstring.value
                 for placeholder, value in templates.items():
-                    text = text.replace(placeholder, textwrap.dedent("    " + value).strip())
+                    text = fill_template(text, placeholder, value)
                 obj.docstring.value = _math(_roles(text, module))
             if obj.is_function:
                 for parameter in obj.parameters:

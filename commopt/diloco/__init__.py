@@ -11,7 +11,7 @@ staggered syncs), :mod:`~commopt.diloco.agreement` (the ranks agree on the setti
 :mod:`~commopt.diloco.checkpointing` (the state dict).
 """
 
-from commopt.diloco.averages import COMPRESSIONS
+from commopt.choices import COMPRESSIONS
 from commopt.diloco.outer import OUTER_DEFAULTS, DiLoCo, Progress
 
 __all__ = ["COMPRESSIONS", "OUTER_DEFAULTS", "DiLoCo", "Progress"]

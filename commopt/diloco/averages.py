@@ -32,7 +32,6 @@ from commopt.compressed import NonFiniteError
 from commopt.exchange import Exchange
 
 __all__ = [
-    "COMPRESSIONS",
     "Bf16Average",
     "Fp32Average",
     "OnebitAverage",
@@ -40,9 +39,6 @@ __all__ = [
     "average_gradients_",
     "check_finite",
 ]
-
-#: the compressions :class:`~commopt.diloco.DiLoCo` accepts
-COMPRESSIONS = ("onebit", "none", "bf16")
 
 
 class PseudoGradientAverage(Protocol):

@@ -24,16 +24,24 @@ import concurrent.futures
 import dataclasses
 import weakref
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
+from commopt.choices import (
+    COMPRESSIONS,
+    OUTER_TOPOLOGIES,
+    SCALES,
+    Compression,
+    OuterTopology,
+    Scale,
+    check_choice,
+)
 from commopt.comm import Backend, resolve_backend
 from commopt.comm.channels import on_channel, open_channel
 from commopt.diloco import checkpointing
 from commopt.diloco.agreement import agree, float_bits
 from commopt.diloco.averages import (
-    COMPRESSIONS,
     Bf16Average,
     Fp32Average,
     OnebitAverage,
@@ -46,8 +54,6 @@ from commopt.exchange import build_exchange, discover_topology
 from commopt.exchange.levels import build_level_backends, wants_shared_memory
 
 __all__ = ["OUTER_DEFAULTS", "DiLoCo", "Progress"]
-
-Compression = Literal["onebit", "none", "bf16"]
 
 
 @dataclasses.dataclass
@@ -139,18 +145,15 @@ class DiLoCo:
         fragments: int = 1,
         delay: int = 0,
         warmup_steps: int = 0,
-        topology: Literal["flat", "hierarchical"] = "flat",
-        scale: Literal["tensor", "fragment"] = "tensor",
+        topology: OuterTopology = "flat",
+        scale: Scale = "tensor",
         backend: Backend | None = None,
     ) -> None:
         if not isinstance(inner, torch.optim.Optimizer):
             raise TypeError(f"inner must be a torch.optim.Optimizer, got {type(inner).__name__}")
-        if compression not in COMPRESSIONS:
-            raise ValueError(f"Invalid compression: {compression!r} (one of {COMPRESSIONS})")
-        if topology not in ("flat", "hierarchical"):
-            raise ValueError(f"Invalid topology: {topology!r} ('flat' or 'hierarchical')")
-        if scale not in ("tensor", "fragment"):
-            raise ValueError(f"Invalid scale: {scale!r} ('tensor' or 'fragment')")
+        check_choice("compression", compression, COMPRESSIONS)
+        check_choice("topology", topology, OUTER_TOPOLOGIES)
+        check_choice("scale", scale, SCALES)
         for name, value in (("sync_every", sync_every), ("fragments", fragments)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"Invalid {name}: {value!r} (an integer >= 1)")

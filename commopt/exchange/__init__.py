@@ -21,18 +21,18 @@ between nodes; its level backends in :mod:`~commopt.exchange.levels`, the node l
 from __future__ import annotations
 
 import warnings
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
+from commopt import choices
 from commopt.comm import Backend, TorchBackend, resolve_backend
-from commopt.exchange.flat import FEEDBACK_POLICIES, Exchange, FlatExchange
+from commopt.exchange.flat import Exchange, FlatExchange
 from commopt.exchange.hierarchical import HierarchicalExchange
 from commopt.exchange.levels import wants_shared_memory
 from commopt.exchange.topology import Topology, discover_topology
 
 __all__ = [
-    "FEEDBACK_POLICIES",
     "Exchange",
     "FlatExchange",
     "HierarchicalExchange",
@@ -41,14 +41,12 @@ __all__ = [
     "discover_topology",
 ]
 
-TopologyName = Literal["flat", "hierarchical", "auto"]
-
 
 def build_exchange(
     backend: Backend | None = None,
-    topology: TopologyName = "flat",
+    topology: choices.Topology = "flat",
     *,
-    error_feedback: str = "classic",
+    error_feedback: choices.ErrorFeedback = "classic",
     eta: float = 0.2,
     **kwargs: Any,
 ) -> Exchange:
@@ -86,10 +84,7 @@ def build_exchange(
 
 
 def _build_hierarchical(be: Backend, topology: str, **kwargs: Any) -> Exchange:
-    if topology not in ("hierarchical", "auto"):
-        raise ValueError(
-            f"Invalid topology: {topology!r} (must be 'flat', 'hierarchical' or 'auto')"
-        )
+    choices.check_choice("topology", topology, choices.TOPOLOGIES)
     node_topology = kwargs.pop("node_topology", None)
     if node_topology is None:
         node_topology = discover_topology(be, kwargs.get("env"), hostname=kwargs.get("hostname"))

@@ -2,20 +2,17 @@ r"""SPEC §1 over all ranks (:class:`FlatExchange`), and what an exchange is (:c
 
 from __future__ import annotations
 
-from typing import Literal, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import torch
 
+from commopt.choices import ERROR_FEEDBACKS, ErrorFeedback, check_choice
 from commopt.comm import Backend
 from commopt.compressed import compressed_allreduce_and_scale, padded_size
 from commopt.exchange.econtrol import econtrol_allreduce_
 from commopt.pipelined import check_stages
 
-__all__ = ["FEEDBACK_POLICIES", "Exchange", "FlatExchange"]
-
-#: the error-feedback policies :class:`FlatExchange` implements
-FEEDBACK_POLICIES = ("classic", "econtrol")
-Feedback = Literal["classic", "econtrol"]
+__all__ = ["Exchange", "FlatExchange"]
 
 
 @runtime_checkable
@@ -69,15 +66,12 @@ class FlatExchange:
     def __init__(
         self,
         backend: Backend,
-        feedback: Feedback = "classic",
+        feedback: ErrorFeedback = "classic",
         eta: float = 0.2,
         *,
         pipeline: int | None = None,
     ) -> None:
-        if feedback not in FEEDBACK_POLICIES:
-            raise ValueError(
-                f"Invalid feedback: {feedback!r} (choose one of {', '.join(FEEDBACK_POLICIES)})"
-            )
+        check_choice("feedback", feedback, ERROR_FEEDBACKS)
         if not 0.0 <= eta:  # also rejects NaN
             raise ValueError(f"Invalid eta: {eta} (must be >= 0)")
         self.pipeline = check_stages(pipeline)

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from commopt.choices import StepGuard
 from commopt.optim._warnings import warn_at_caller
 from commopt.optim.flat_state import FlatState
 from commopt.optim.freeze import VarianceLevel, variance_level
@@ -116,7 +117,7 @@ def guarded_adam_update_(
     d: torch.Tensor,
     step_sizes: Sequence[float],
     limits: Sequence[float | None],
-    step_guard: bool | str,
+    step_guard: StepGuard,
     target: torch.Tensor | None = None,
 ) -> None:
     r"""p ← p·(1 − η·λ) − step_size·m/d′ for each segment and its group, where d′ = d except
@@ -265,7 +266,7 @@ def variance_level_of(
 def guard_limits(
     segments: Iterable[tuple[Segment, dict[str, Any]]],
     step_sizes: Sequence[float],
-    step_guard: bool | str,
+    step_guard: StepGuard,
 ) -> list[float]:
     """0/1 Adam's step-guard limit on |m/d| per segment, so that |m̂/d| ≤ B where the step
     applies m̂ = m·step_size/η: B·(η/step_size), B itself where step_size = η (bit for bit)."""

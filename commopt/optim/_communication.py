@@ -15,13 +15,17 @@ import copy
 import math
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from commopt.choices import ErrorFeedback, Topology
 from commopt.comm import Backend, resolve_backend
 from commopt.exchange import Exchange, build_exchange
 from commopt.optim.flat_state import FlatState
+
+if TYPE_CHECKING:
+    from commopt.optim.config import CommOptions
 
 __all__ = ["Communication"]
 
@@ -31,25 +35,20 @@ class Communication:
 
     Args:
         requested: the optimizer's ``backend`` argument (None: SPEC §5 at first use).
-        topology: ``"flat"``, ``"hierarchical"`` or ``"auto"``
+        options: the optimizer's topology, error feedback and EControl η
             (:func:`~commopt.exchange.build_exchange`).
-        error_feedback: the exchange's error-feedback policy.
-        econtrol_eta: EControl's η (``error_feedback="econtrol"``).
     """
 
-    def __init__(
-        self, requested: Backend | None, topology: str, error_feedback: str, econtrol_eta: float
-    ) -> None:
+    def __init__(self, requested: Backend | None, options: CommOptions) -> None:
         if isinstance(requested, (str, bytes, os.PathLike)):
             resolve_backend(requested)  # raises the TypeError that says how to build one
         self.requested = requested
-        self.topology = topology
-        self.error_feedback = error_feedback
-        self.econtrol_eta = econtrol_eta
+        self.topology: Topology = options.topology
+        self.error_feedback: ErrorFeedback = options.error_feedback
+        self.econtrol_eta = options.econtrol_eta
         self._backend: Backend | None = None
         self._exchange: Exchange | None = None
-        #: full-precision averages and compressed exchanges taken so far
-        self.rounds = {"full": 0, "compressed": 0}
+        self._rounds = {"full": 0, "compressed": 0}
         #: (‖e‖², ‖c‖²) of this rank's last compressed call (see :meth:`stats`)
         self.last_compression: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None
 
@@ -58,7 +57,7 @@ class Communication:
         exchange (they hold no training state) and counts its own rounds."""
         new = copy.copy(self)
         memo[id(self)] = new
-        new.rounds = dict(self.rounds)
+        new._rounds = dict(self._rounds)
         new.last_compression = None
         return new
 
@@ -85,8 +84,22 @@ class Communication:
         """Full-precision average across ranks (warmup and variance steps)."""
         if self.backend.world_size > 1:
             self.backend.all_reduce(flat, "avg")
-            self.rounds["full"] += 1
+            self._rounds["full"] += 1
         return flat
+
+    def count_average(self) -> None:
+        """Count a full-precision average run elsewhere (asynchronously, by the early work)."""
+        self._rounds["full"] += 1
+
+    @property
+    def full_rounds(self) -> int:
+        """Full-precision averages taken so far."""
+        return self._rounds["full"]
+
+    @property
+    def compressed_rounds(self) -> int:
+        """Compressed exchanges taken so far."""
+        return self._rounds["compressed"]
 
     def compress(
         self, flat: torch.Tensor, comm: dict[str, torch.Tensor], track_error: bool
@@ -111,7 +124,7 @@ class Communication:
                     e,
                     e._version,
                 )
-            self.rounds["compressed"] += 1
+            self._rounds["compressed"] += 1
         return flat
 
     def stats(self, skipped_steps: int, states: Sequence[FlatState]) -> dict[str, Any]:
@@ -140,8 +153,8 @@ class Communication:
             "bytes_received": stats.bytes_sent,
             "calls_by_op": dict(stats.calls_by_op),
             "bytes_by_op": dict(stats.bytes_by_op),
-            "full_precision_rounds": self.rounds["full"],
-            "compressed_rounds": self.rounds["compressed"],
+            "full_precision_rounds": self._rounds["full"],
+            "compressed_rounds": self._rounds["compressed"],
             "skipped_steps": skipped_steps,
             "compression_error": error,
             "exchange_state_numel": sum(b.numel() for s in states for b in s.comm.values()),

@@ -25,16 +25,13 @@ docs/algorithms/onebit_lamb.md gives the measurements.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 
-from commopt.buckets import Bucket
+from commopt.buckets import Bucket, Segment
 from commopt.optim.flat_state import FlatState
-
-if TYPE_CHECKING:
-    from commopt.optim.base import CompressedOptimizer
 
 __all__ = [
     "early_sigma",
@@ -81,10 +78,12 @@ def scale_tensors_(
     scale_(bucket.views(flat), list(per_tensor.unbind()))
 
 
-def tensor_ranges(opt: CompressedOptimizer, state: FlatState) -> list[tuple[dict[str, Any], slice]]:
+def tensor_ranges(
+    segments: Iterable[tuple[Segment, dict[str, Any]]],
+) -> list[tuple[dict[str, Any], slice]]:
     """Each segment's param group and its tensors' range in the per-tensor scalars."""
     out, first = [], 0
-    for seg, group in opt.segments(state):
+    for seg, group in segments:
         out.append((group, slice(first, first + len(seg.params))))
         first += len(seg.params)
     return out
@@ -125,15 +124,16 @@ def exchange_scaled_(
     scale_tensors_(state.bucket, m, sigma, divide=True)
 
 
-def early_sigma(opt: CompressedOptimizer, state: FlatState, step: int) -> torch.Tensor:
+def early_sigma(
+    states: list[FlatState], state: FlatState, step: int, freeze_step: float, before_step: bool
+) -> torch.Tensor:
     """The σ an exchange of step ``step`` started before ``step()`` scales by: the frozen one;
-    at the first compression step, before ``step()`` has frozen it, the σ ``step()`` will
-    freeze, computed from the committed momenta of every bucket freezing then (nothing is
-    committed here). Inside ``step()`` (a bucket completed there) σ is already frozen."""
-    freeze_step = opt.frozen_after()
-    before_step = opt.global_state["step"] < step
-    if before_step and step - opt.first_step(state) == freeze_step + 1:
-        freezing = [s for s in opt.flat_states if step - opt.first_step(s) == freeze_step + 1]
+    at the first compression step (``freeze_step`` + 1 after the bucket joined), while
+    ``before_step`` (``step()`` has not frozen it yet), the σ ``step()`` will freeze, computed
+    from the committed momenta of every bucket of ``states`` freezing then (nothing is committed
+    here). Inside ``step()`` (a bucket completed there) σ is already frozen."""
+    if before_step and step - state.bucket.first_step == freeze_step + 1:
+        freezing = [s for s in states if step - s.bucket.first_step == freeze_step + 1]
         return scaling_coeffs(freezing)[freezing.index(state)]
     return state.scalars["scaling_coeff"]
 

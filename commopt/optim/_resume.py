@@ -167,11 +167,16 @@ def _not_restorable(comm: dict[str, Any], backend: Backend, exchange_name: str) 
     return reason
 
 
-def keep_state_dtypes(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
-    """Undo torch's cast of loaded state to the parameter's dtype: the optimizer state is
-    fp32 even for bf16/fp16 parameters, and a round trip through bf16 would lose bits."""
+def keep_state_dtypes(
+    state: dict[torch.Tensor, dict[str, Any]],
+    param_groups: list[dict[str, Any]],
+    state_dict: dict[str, Any],
+) -> None:
+    """Undo torch's cast of loaded state to the parameter's dtype in ``state`` (an optimizer's,
+    just loaded from ``state_dict``): the optimizer state is fp32 even for bf16/fp16
+    parameters, and a round trip through bf16 would lose bits."""
     saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
-    params = [p for g in optimizer.param_groups for p in g["params"]]
+    params = [p for g in param_groups for p in g["params"]]
     for saved_id, p in zip(saved_ids, params, strict=True):
         for key, value in state_dict["state"].get(saved_id, {}).items():
             if (
@@ -180,7 +185,7 @@ def keep_state_dtypes(optimizer: torch.optim.Optimizer, state_dict: dict[str, An
                 and value.dtype != p.dtype
                 and key != "step"
             ):
-                optimizer.state[p][key] = value.to(device=p.device, copy=True)
+                state[p][key] = value.to(device=p.device, copy=True)
 
 
 def upgrade_zero_one_groups(groups: list[dict[str, Any]], var_update_scaler: int) -> None:

@@ -4,17 +4,21 @@ Each piece owns its state: buckets (:mod:`._layout`, :mod:`.flat_state`), agreem
 (:mod:`._agreement`), backend and exchange (:mod:`._communication`), freeze point (:mod:`.freeze`),
 master weights (:mod:`._precision`), saved schedule (:mod:`.config`, :mod:`._resume`), work
 started during backward (:mod:`.early`). A subclass names its flat keys and implements
-``_step(step)`` and ``_early_plan()``."""
+``_step(ctx)`` and ``_early_plan(ops)``: the base hands it its collaborators, a
+:class:`StepContext` for each step and the :class:`BucketOps` its early plan exchanges with, and
+the algorithm calls them the way torch's ``Adam`` calls ``adam(...)``."""
 
 from __future__ import annotations
 
 import contextlib
 import copy
 import warnings
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
 
 import torch
+from torch.optim.optimizer import ParamsT
 
 from commopt.buckets import DEFAULT_BUCKET_NUMEL, Segment
 from commopt.comm import Backend
@@ -22,31 +26,127 @@ from commopt.compressed import NonFiniteError
 from commopt.exchange import Exchange
 from commopt.optim._adam import ZeroVarianceGuard, apply_exp_avg_mask_
 from commopt.optim._agreement import GradientAgreement, describe_param, left_untouched
-from commopt.optim._checks import (
-    check_no_scaler_after_early_work,
-    check_overlap_arguments,
-    check_param_group,
-)
+from commopt.optim._checks import check_no_scaler_after_early_work, check_param_group
 from commopt.optim._cohorts import Cohorts, late_starters, refuse_late_start, start_cohorts
 from commopt.optim._communication import Communication
 from commopt.optim._layout import BucketLayout
 from commopt.optim._precision import master_weights, unscale_grads_
 from commopt.optim._resume import commopt_entry, keep_state_dtypes, split_commopt_entry
 from commopt.optim._warnings import log_compression_started, warn_redone, warn_skipped
-from commopt.optim.config import ConfigAttributes
-from commopt.optim.early import CommThread, EarlyPlan, EarlyWork, GradientHooks
-from commopt.optim.flat_state import FlatState
+from commopt.optim.config import CommOptions
+from commopt.optim.early import CommThread, EarlyPlan, EarlyWork, GradientHooks, Kind
+from commopt.optim.flat_state import FlatState, grouped_segments
 from commopt.optim.freeze import AutoFreeze, FreezePoint
 
-__all__ = ["TOPOLOGIES", "CompressedOptimizer"]
+__all__ = ["BucketOps", "CompressedOptimizer", "StepContext"]
 
 
-TOPOLOGIES = ("flat", "hierarchical", "auto")
+class BucketOps:
+    """The operations on a bucket that an algorithm, in ``step()`` and in its early plan, runs
+    with other ranks or against the shared variance: the error-compensated 1-bit exchange and
+    the momentum's mask. One per optimizer; it owns no optimizer state.
+
+    Args:
+        comm: the optimizer's backend and exchange, which counts the rounds.
+        groups: the optimizer's param groups as they are now (``exp_avg_mask``).
+        owner: the optimizer's class name, for the zero-variance warning (once, rank 0).
+    """
+
+    def __init__(
+        self, comm: Communication, groups: Callable[[], list[dict[str, Any]]], owner: str
+    ) -> None:
+        self._comm, self._groups = comm, groups
+        self._guard = ZeroVarianceGuard(owner)
+        #: compute ``comm_stats()["compression_error"]`` (one dot product per compressed call)
+        self.track_compression_error = True
+
+    def exchange(
+        self, state: FlatState, flat: torch.Tensor, errors: dict[str, torch.Tensor] | None = None
+    ) -> torch.Tensor:
+        """flat ← C(flat): the error-compensated 1-bit average across ranks (SPEC §1), written
+        back, with the bucket's error buffers or ``errors`` (staged copies, :mod:`.early`)."""
+        errors = state.comm if errors is None else errors
+        return self._comm.compress(flat, errors, self.track_compression_error)
+
+    def mask(self, state: FlatState, flat: torch.Tensor) -> None:
+        """flat ← flat ⊙ exp_avg_mask ⊙ [v ≠ 0], on what a compressed exchange returned."""
+        apply_exp_avg_mask_(flat, state, self._groups())
+        self.discard_zero_variance(state, flat, warn=True)
+
+    def discard_zero_variance(self, state: FlatState, flat: torch.Tensor, warn: bool) -> None:
+        """flat ← 0 wherever v is exactly 0 (:class:`ZeroVarianceGuard`; ``warn``: once, on
+        rank 0)."""
+        self._guard.apply_(state, flat, warn=warn and self._comm.backend.rank == 0)
 
 
-class CompressedOptimizer(ConfigAttributes, torch.optim.Optimizer):
-    """Base class: subclasses implement ``_step(step)`` and ``_early_plan()`` and name their
-    flat state keys."""
+class StepContext:
+    """One step's collaborators, built by the optimizer for each step and handed to the
+    algorithm's ``_step(ctx)``: the step, the buckets and their param groups, the freeze point,
+    and the operations that involve other ranks: ḡ (:meth:`averaged_grads`), C(x)
+    (:meth:`exchange`), the mask, and what the early work already did (:meth:`take`)."""
+
+    def __init__(
+        self,
+        step: int,
+        states: list[FlatState],
+        groups: list[dict[str, Any]],
+        ops: BucketOps,
+        comm: Communication,
+        early: EarlyWork | None,
+        freeze: FreezePoint,
+    ) -> None:
+        #: the step being taken, counted from 1
+        self.step = step
+        #: the buckets, in layout order
+        self.states = states
+        #: the optimizer's param groups
+        self.groups = groups
+        #: the freeze point: ``freeze.last_full_step()``, ``freeze.observe(step, level)``
+        self.freeze = freeze
+        self.ops = ops
+        self._comm, self._early = comm, early
+
+    def segments(self, state: FlatState) -> list[tuple[Segment, dict[str, Any]]]:
+        """Each segment of the bucket with its param group."""
+        return grouped_segments(state, self.groups)
+
+    def averaged_grads(self, state: FlatState) -> torch.Tensor:
+        """ḡ: the bucket's gradients averaged at full precision, flat, in scratch ``"grad"``
+        (not again where the early work did)."""
+        g = state.scratch("grad")
+        if self._early is not None:
+            return self._early.averaged_grads(state, self.step, g)
+        self._comm.average(state.gather_grads(g))
+        return g
+
+    def exchange(
+        self, state: FlatState, flat: torch.Tensor, errors: dict[str, torch.Tensor] | None = None
+    ) -> torch.Tensor:
+        """flat ← C(flat) (:meth:`BucketOps.exchange`)."""
+        return self.ops.exchange(state, flat, errors)
+
+    def mask(self, state: FlatState, flat: torch.Tensor) -> None:
+        """flat ← flat ⊙ exp_avg_mask ⊙ [v ≠ 0] (:meth:`BucketOps.mask`)."""
+        self.ops.mask(state, flat)
+
+    def take(self, kind: Kind, state: FlatState) -> torch.Tensor | None:
+        """What the early work (a DDP hook, ``overlap=True``) already did of this step's
+        ``kind`` for the bucket, its error buffers committed; None: nothing, the algorithm
+        does it all. :attr:`Kind.MOMENTUM`: the exchanged momentum, committed into
+        ``exp_avg``; :attr:`Kind.GRADIENT`: the 1-bit exchanged gradient (a staged buffer)."""
+        if self._early is None:
+            return None
+        if kind is Kind.MOMENTUM:
+            taken = self._early.take_momentum(state, self.step)
+            return state.flat["exp_avg"] if taken else None
+        if kind is Kind.GRADIENT:
+            return self._early.take_gradient(state, self.step)
+        raise ValueError(f"nothing to take of kind {kind!r}: averages are averaged_grads")
+
+
+class CompressedOptimizer(torch.optim.Optimizer):
+    """Base class: subclasses implement ``_step(ctx)`` and ``_early_plan(ops)`` and name their
+    flat state keys; ``config`` is their :class:`~commopt.optim.config.CommOptions` subclass."""
 
     #: per-parameter fp32 state kept in flat bucket buffers, identical on all ranks
     _flat_keys: tuple[str, ...] = ()
@@ -54,50 +154,50 @@ class CompressedOptimizer(ConfigAttributes, torch.optim.Optimizer):
     _lazy_flat_keys: tuple[str, ...] = ()
     #: one fp32 scalar per parameter tensor (key → initial value); ``state[p][key]`` is 0-d
     _scalar_keys: ClassVar[dict[str, float]] = {}
-    #: None: one bucket per device (a single fused compressed call); else the bucket size cap
-    _bucket_numel: int | None = DEFAULT_BUCKET_NUMEL
-    #: compute ``comm_stats()["compression_error"]`` (one dot product per compressed call)
-    track_compression_error: bool = True
+    #: the bucket size cap when ``bucket_numel`` is None (None: one bucket per device)
+    _default_bucket_numel: ClassVar[int | None] = DEFAULT_BUCKET_NUMEL
     _late_cohorts: ClassVar[bool] = True  # first trained late: own schedule (:mod:`._cohorts`)
+    #: each param group in buckets of its own (0/1 Adam: a sync's 1-bit scale is per lr)
+    _bucket_per_group: ClassVar[bool] = False
     #: the config field that may be ``"auto"`` or an AutoFreezeSettings (AutoFreeze decides)
     _freeze_field: ClassVar[str] = "freeze_step"
 
     def __init__(
         self,
-        params: Any,
+        params: ParamsT,
         defaults: dict[str, Any],
-        config: Any,
+        config: CommOptions,
         backend: Backend | None,
-        topology: str = "flat",
     ) -> None:
-        if topology not in TOPOLOGIES:
-            choices = ", ".join(map(repr, TOPOLOGIES))
-            raise ValueError(f"Invalid topology: {topology!r} (must be one of {choices})")
-        #: "flat" (SPEC §1), "hierarchical" (fp32 in a node, 1 bit across) or "auto"
-        self.topology = topology
+        name = type(self).__name__
+        #: the schedule and communication options, frozen (:mod:`commopt.optim.config`)
         self.config = config
         #: the step counter and any schedule state the ranks share; saved in ``state_dict()``
         self.global_state: dict[str, Any] = {"step": 0, "skipped_steps": 0}
-        self._comm = Communication(backend, topology, config.error_feedback, config.econtrol_eta)
-        self._layout = BucketLayout(
-            type(self).__name__, self._flat_keys, self._lazy_flat_keys, self._scalar_keys
-        )
-        self._agreement = GradientAgreement(type(self).__name__, config)
+        self._comm = Communication(backend, config)
+        self._ops = BucketOps(self._comm, lambda: self.param_groups, name)
+        self._layout = BucketLayout(name, self._flat_keys, self._lazy_flat_keys, self._scalar_keys)
+        self._layout.bucket_per_group = self._bucket_per_group
+        numel = config.bucket_numel
+        self._bucket_numel = self._default_bucket_numel if numel is None else numel
+        self._agreement = GradientAgreement(name, config)
         self._freeze = FreezePoint(getattr(config, self._freeze_field), self.global_state)
-        self._zero_variance_guard = ZeroVarianceGuard(type(self).__name__)
         self._early: EarlyWork | None = None  # work started before step() (commopt.ddp)
         self._thread: CommThread | None = None  # overlap=True: runs the early collectives
-        self._hooks = GradientHooks.of(self)
-        self._step_now = 0  # the step being taken (set by step())
+        self._hooks = GradientHooks(self._weak_early_work())
         self._compression_announced = False  # logged once, on rank 0
         super().__init__(params, defaults)
+        if config.overlap:  # the channel opens collectively, while every rank constructs
+            self._thread = CommThread.opened(f"commopt-{name}", self.backend)
+            weakref.finalize(self, self._thread.close)  # (stopped once the optimizer is dropped)
+            self._hooks.enable([p for g in self.param_groups for p in g["params"]])
 
     # -- hooks for subclasses -----------------------------------------------------------------
-    def _step(self, step: int) -> None:  # pragma: no cover - every subclass defines it
-        """Run step ``step`` (counted from 1) of the algorithm; gradients were agreed on."""
+    def _step(self, ctx: StepContext) -> None:  # pragma: no cover - every subclass defines it
+        """Run step ``ctx.step`` (counted from 1) of the algorithm; gradients were agreed on."""
         raise NotImplementedError(f"{type(self).__name__} must define _step")
 
-    def _early_plan(self) -> EarlyPlan:  # pragma: no cover - every subclass defines it
+    def _early_plan(self, ops: BucketOps) -> EarlyPlan:  # pragma: no cover - every subclass
         """What of a bucket's next step may start during backward, and how it is exchanged."""
         raise NotImplementedError(f"{type(self).__name__} must define _early_plan")
 
@@ -120,8 +220,8 @@ class CompressedOptimizer(ConfigAttributes, torch.optim.Optimizer):
         group.setdefault("first_step", self.global_state["step"])
         if self._layout.states is not None:
             self._layout.lay_out(*self._layout_args())
-        if "_hooks" in self.__dict__ and self._hooks.enabled:  # (torch's __init__ adds groups
-            self._hooks.attach(group["params"])  # before ours has run)
+        if self._hooks.enabled:
+            self._hooks.attach(group["params"])
         # (added on some ranks only: the next step's model check fails on every rank alike)
 
     def __getstate__(self) -> dict[str, Any]:  # copy.deepcopy (torch's: state and groups only)
@@ -129,7 +229,7 @@ class CompressedOptimizer(ConfigAttributes, torch.optim.Optimizer):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__({**state, "_early": None, "_thread": None})  # steps as overlap=False
-        self._hooks = GradientHooks.of(self)
+        self._hooks = GradientHooks(self._weak_early_work())
 
     # -- backend, exchange, layout ------------------------------------------------------------
     @property
@@ -171,28 +271,19 @@ class CompressedOptimizer(ConfigAttributes, torch.optim.Optimizer):
         """The global step before this bucket's parameters joined (0 for the constructor's)."""
         return state.bucket.first_step
 
-    def segments(self, state: FlatState) -> Iterator[tuple[Segment, dict[str, Any]]]:
+    def segments(self, state: FlatState) -> list[tuple[Segment, dict[str, Any]]]:
         """Each segment of the bucket with its param group."""
-        yield from ((seg, self.param_groups[seg.group]) for seg in state.bucket.segments)
+        return grouped_segments(state, self.param_groups)
 
-    # -- per-step helpers for the algorithms ---------------------------------------------------
-    def _compress(
-        self, state: FlatState, flat: torch.Tensor, comm: dict[str, torch.Tensor] | None = None
-    ) -> torch.Tensor:
-        """Error-compensated 1-bit average of ``flat`` across ranks, written back into it
-        (:meth:`Communication.compress`). ``comm`` replaces the bucket's exchange state
-        (staged copies, :mod:`.early`)."""
-        comm = state.comm if comm is None else comm
-        return self._comm.compress(flat, comm, self.track_compression_error)
+    @property
+    def track_compression_error(self) -> bool:
+        """Compute ``comm_stats()["compression_error"]`` (one dot product per compressed call;
+        default True)."""
+        return self._ops.track_compression_error
 
-    def _mask(self, state: FlatState, flat: torch.Tensor) -> None:
-        """flat ← flat ⊙ exp_avg_mask ⊙ [v ≠ 0], on what a compressed exchange returned."""
-        apply_exp_avg_mask_(flat, state, self.param_groups)
-        self._discard_zero_variance(state, flat)
-
-    def _discard_zero_variance(self, state: FlatState, flat: torch.Tensor) -> None:
-        """flat ← 0 wherever v is exactly 0 (:class:`ZeroVarianceGuard`)."""
-        self._zero_variance_guard.apply_(state, flat, warn=self.backend.rank == 0)
+    @track_compression_error.setter
+    def track_compression_error(self, value: bool) -> None:
+        self._ops.track_compression_error = bool(value)
 
     # -- work started before step(): the DDP hook (commopt.ddp) or overlap=True ---------------
     @property
@@ -205,7 +296,7 @@ class CompressedOptimizer(ConfigAttributes, torch.optim.Optimizer):
                 groups=lambda: self.param_groups,
                 next_step=lambda: self.global_state["step"] + 1,
                 comm=self._comm,
-                plan=self._early_plan(),
+                plan=self._early_plan(self._ops),
                 thread=self._thread,
             )
         return self._early
@@ -215,30 +306,11 @@ class CompressedOptimizer(ConfigAttributes, torch.optim.Optimizer):
         """The constructor's ``overlap``: each bucket's communication starts during backward."""
         return self._thread is not None
 
-    def _averaged_grads(self, state: FlatState) -> torch.Tensor:
-        """The bucket's gradients averaged at full precision, flat, in scratch ``"grad"`` (not
-        again where the early work did)."""
-        g = state.scratch("grad")
-        if self._early is not None:
-            return self._early.averaged_grads(state, self._step_now, g)
-        self._comm.average(state.gather_grads(g))
-        return g
-
-    def _take_exchanged_momentum(self, state: FlatState) -> bool:
-        """Commit the momentum the early work exchanged into ``exp_avg`` (False: none was)."""
-        return self._early is not None and self._early.take_momentum(state, self._step_now)
-
-    def _take_exchanged_gradient(self, state: FlatState) -> torch.Tensor | None:
-        """The local gradient exchanged at one bit in backward, errors committed (None: not)."""
-        return None if self._early is None else self._early.take_gradient(state, self._step_now)
-
-    def _set_overlap(self, overlap: bool, bucket_numel: int | None) -> None:
-        """The constructor's ``overlap`` and ``bucket_numel`` (the channel opens collectively)."""
-        self._bucket_numel = check_overlap_arguments(overlap, bucket_numel, self._bucket_numel)
-        if not overlap:
-            return
-        self._thread = CommThread.opened(f"commopt-{type(self).__name__}", self.backend, self)
-        self._hooks.enable([p for g in self.param_groups for p in g["params"]])
+    def _weak_early_work(self) -> Callable[[], EarlyWork]:
+        """``early_work``, reached weakly: the hooks on the parameters outlive an optimizer
+        often enough (a new one per phase), and must not keep it (or its thread) alive."""
+        ref = weakref.ref(self)
+        return lambda: ref().early_work  # type: ignore[union-attr]
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -265,7 +337,7 @@ class CompressedOptimizer(ConfigAttributes, torch.optim.Optimizer):
                 self._early.drain()
             self._agreement.check_model(self.backend, params, self.param_groups)
             states = self.flat_states
-            step = self._step_now = self.global_state["step"] + 1
+            step = self.global_state["step"] + 1
             loss = self._agree_and_step(step, params, states, loss)
             if self._early is not None:
                 self._early.fix_order()
@@ -317,10 +389,13 @@ class CompressedOptimizer(ConfigAttributes, torch.optim.Optimizer):
         self.global_state["step"] = step
         try:
             untouched = [params[i] for i in verdict.without_grad if i not in self._layout.untrained]
+            ctx = StepContext(
+                step, states, groups, self._ops, self._comm, self._early, self._freeze
+            )
             with left_untouched(untouched, self.state):
                 with master_weights(states, self.state):
-                    self._step(step)
-            if not self._compression_announced and self._comm.rounds["compressed"] > 0:
+                    self._step(ctx)
+            if not self._compression_announced and self._comm.compressed_rounds > 0:
                 self._compression_announced = True
                 log_compression_started(type(self).__name__, step, self.backend.rank)
         except NonFiniteError:  # raised on every rank alike; the algorithm restored its state
@@ -372,7 +447,7 @@ class CompressedOptimizer(ConfigAttributes, torch.optim.Optimizer):
         super().load_state_dict(state_dict)
         for group in self.param_groups:  # state dicts saved before first_step existed
             group.setdefault("first_step", 0)
-        keep_state_dtypes(self, state_dict)
+        keep_state_dtypes(self.state, self.param_groups, state_dict)
         self.global_state = global_state
         self._freeze = freeze
         self._layout.forget(comm)  # flat buffers and agreement: rebuilt at the next use

@@ -13,16 +13,30 @@ from __future__ import annotations
 import dataclasses
 import numbers
 import os
+import textwrap
+from collections.abc import Callable
 from typing import Any, TypeVar
 
+from commopt.choices import (
+    ERROR_FEEDBACKS,
+    STEP_GUARDS,
+    TOPOLOGIES,
+    TRUST_RATIOS,
+    ErrorFeedback,
+    StepGuard,
+    Topology,
+    TrustRatio,
+    check_choice,
+)
 from commopt.optim._warnings import warn_at_caller
 from commopt.optim.freeze import AutoFreezeSettings, auto_settings
 
 T = TypeVar("T")
 
 __all__ = [
+    "COMM_OPTIONS_DOC",
     "DEFAULT_FREEZE_STEP",
-    "ConfigAttributes",
+    "CommOptions",
     "OnebitAdamConfig",
     "OnebitLambConfig",
     "ZeroOneAdamConfig",
@@ -34,30 +48,114 @@ __all__ = [
     "check_number",
     "check_step_count",
     "config_differences",
-    "document_schedule",
+    "configured_by",
+    "fill_template",
+    "saved_config",
 ]
 
+
+def _tail_dedented(text: str) -> str:
+    """``text`` with the common indentation of its lines after the first removed (a template
+    written where it is read, filled in where it is used: :func:`fill_template`)."""
+    first, _, rest = text.partition("\n")
+    return f"{first}\n{textwrap.dedent(rest)}" if rest else first
+
+
+def fill_template(doc: str, placeholder: str, text: str) -> str:
+    """``doc`` with the line that holds ``placeholder`` replaced by ``text``, each of its lines
+    indented like that line (for ``help()`` here, and for the API reference, whose docstrings
+    are dedented: docs/griffe_commopt.py)."""
+    lines = []
+    for line in doc.splitlines():
+        if line.strip() == placeholder:
+            indent = line[: len(line) - len(line.lstrip())]
+            lines.extend(indent + t if t else t for t in text.splitlines())
+        else:
+            lines.append(line)
+    return "\n".join(lines) + ("\n" if doc.endswith("\n") else "")
+
+
 #: Written once, placed into each optimizer's docstring at ``{schedule_and_resume}``.
-SCHEDULE_AND_RESUME_DOC = """Schedule and resume: the schedule arguments above form
-    ``optimizer.config``, a frozen dataclass (read through as ``optimizer.freeze_step`` …,
-    never assigned). ``state_dict()`` saves it with the shared schedule state and this rank's
-    error buffers (with the rank and world size they belong to); ``load_state_dict`` raises
-    ``ValueError`` naming the field and both values if the saved config differs (resuming
-    would change the phase), unless called with ``allow_config_change=True``. Error buffers
-    from another rank, world size or topology are reset with one warning, never loaded. See
-    docs/optimizers.md for parameters without gradients, dtypes and ``add_param_group``."""
+SCHEDULE_AND_RESUME_DOC = """Schedule and resume: the schedule arguments above and the
+    communication options form ``optimizer.config``, a frozen dataclass (read through as
+    ``optimizer.freeze_step`` …, never assigned). ``state_dict()`` saves it with the shared
+    schedule state and this rank's error buffers (with the rank and world size they belong to);
+    ``load_state_dict`` raises ``ValueError`` naming the field and both values if the saved
+    config differs (resuming would change the phase), unless called with
+    ``allow_config_change=True``. Error buffers from another rank, world size or topology are
+    reset with one warning, never loaded. See docs/optimizers.md for parameters without
+    gradients, dtypes and ``add_param_group``."""
+SCHEDULE_AND_RESUME_DOC = _tail_dedented(SCHEDULE_AND_RESUME_DOC)
+
+#: The keyword-only communication options (:class:`CommOptions`), written once and placed into
+#: each optimizer's Args at ``{communication_options}``, the way torch writes ``_foreach_doc``.
+COMM_OPTIONS_DOC = """topology: ``"flat"`` (SPEC §1 over all ranks, default), ``"hierarchical"``
+            (full precision inside each node, 1 bit between nodes; on gloo the node's ranks
+            share memory, ``COMMOPT_SHARED_MEMORY=0`` to use TCP; docs/hierarchical.md) or
+            ``"auto"`` (hierarchical when there are several nodes of several ranks and a fast
+            path inside the node).
+        overlap: start each bucket's communication during backward, as soon as its last
+            gradient is accumulated, on staged buffers; ``step()`` waits for it and commits.
+            Bit-identical to ``overlap=False`` (default False). Requires every rank to produce
+            gradients for the same parameters in the same order each step; accumulate with
+            ``no_sync()``; ``p.grad`` stays local, so clipping it after backward has no effect,
+            and GradScaler is refused. Under DDP use :mod:`commopt.ddp` instead. The exchanges
+            run on a communication thread, bucket by bucket in the order their gradients
+            become ready; what each optimizer starts early: docs/overlap.md.
+        bucket_numel: the most elements one flat bucket holds (default 2**25; 1-bit LAMB: one
+            bucket per device and dtype, one compressed call per step; a larger tensor gets a
+            bucket of its own). One bucket is one compressed exchange: with ``overlap=True``,
+            several buckets let the first exchanges run while backward is still computing the
+            rest. Results depend on the layout (one scale per bucket), so compare runs at the
+            same ``bucket_numel``.
+        error_feedback: ``"classic"`` (SPEC §1, default) or ``"econtrol"`` (EControl, Gao et
+            al. 2024; flat topology; docs/algorithms/error_feedback.md): it helped on strongly
+            heterogeneous data and was 14–30 % worse (or diverged) on the demo LM, where every
+            rank sees the same data mix (docs/experiments.md §3).
+        econtrol_eta: η of EControl (default 0.2; ignored by ``"classic"``).
+        step_guard: clamp steps |m̂/(√v̂ + ε)| taken against a frozen variance to B(β1, β2),
+            the largest step exact Adam can take (:mod:`commopt.optim.step_guard`): ``"tiny"``
+            (default) on the elements whose v is below 1 % of their tensor's mean v, ``True``
+            on every element, ``False`` never (the paper's step)."""
+COMM_OPTIONS_DOC = _tail_dedented(COMM_OPTIONS_DOC)
 
 
-def document_schedule(cls: T) -> T:
-    """Class decorator: put :data:`SCHEDULE_AND_RESUME_DOC` into the docstring."""
-    cls.__doc__ = (cls.__doc__ or "").replace("{schedule_and_resume}", SCHEDULE_AND_RESUME_DOC)
-    return cls
+def configured_by(config_type: type) -> Callable[[T], T]:
+    """Class decorator for an optimizer whose ``config`` is a ``config_type``: its docstring
+    gets :data:`SCHEDULE_AND_RESUME_DOC` and :data:`COMM_OPTIONS_DOC` at their placeholders, and
+    the class a read-only property per config field (``opt.freeze_step`` reads
+    ``opt.config.freeze_step``; assigning it raises, naming the two ways to change it)."""
+
+    def decorate(cls: T) -> T:
+        doc = fill_template(cls.__doc__ or "", "{schedule_and_resume}", SCHEDULE_AND_RESUME_DOC)
+        cls.__doc__ = fill_template(doc, "{communication_options}", COMM_OPTIONS_DOC)
+        for field in dataclasses.fields(config_type):
+            if not any(field.name in vars(k) for k in cls.__mro__):  # (the class's own wins)
+                setattr(cls, field.name, _read_through(field.name))
+        return cls
+
+    return decorate
+
+
+def _read_through(name: str) -> property:
+    def read(opt: Any) -> Any:
+        return getattr(opt.config, name)
+
+    def refuse(opt: Any, value: Any) -> None:
+        raise AttributeError(
+            f"{name} is part of {type(opt).__name__}.config (frozen): construct the optimizer "
+            f"with {name}=..., or resume with load_state_dict(..., allow_config_change=True)"
+        )
+
+    return property(read, refuse, doc=f"``config.{name}`` (read-only).")
 
 
 _WHY_FREEZE = "the variance has to be estimated before it is frozen"
 _WHY_SCALER = "it counts steps between doublings of an interval"
-_FEEDBACK = ("classic", "econtrol")
-_TRUST_RATIOS = ("frozen", "tracking", "max")
+#: a config field that is not saved in ``state_dict()`` nor compared on resume: the layout and
+#: the wiring, whose change a resume handles itself (error buffers for another topology or
+#: bucket size are reset or refused, overlap is bit-identical)
+_NOT_SAVED = {"saved": False}
 
 
 #: A config field that takes ``"auto"`` or an AutoFreezeSettings as well as a fixed step.
@@ -113,20 +211,6 @@ def check_freeze_step(name: str, value: int | str | AutoFreezeSettings) -> None:
     check_step_count(name, value, 1, _WHY_FREEZE)
 
 
-def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ValueError(f"Invalid {name}: {value!r} (choose one of {', '.join(choices)})")
-
-
-def _check_feedback(config: Any) -> None:
-    _check_choice("error_feedback", config.error_feedback, _FEEDBACK)
-    if not config.econtrol_eta >= 0.0:  # also rejects NaN
-        raise ValueError(f"Invalid econtrol_eta: {config.econtrol_eta} (must be >= 0)")
-    guard = config.step_guard
-    if not (guard is True or guard is False or (isinstance(guard, str) and guard == "tiny")):
-        raise ValueError(f"Invalid step_guard: {guard!r} (choose 'tiny', True or False)")
-
-
 def check_number(name: str, value: Any) -> None:
     """TypeError unless ``value`` is a real Python (or numpy) number: a tensor hyperparameter
     is torch's device for capturable/fused steps, which read it on the GPU; commopt's kernels
@@ -178,8 +262,46 @@ def _check_range(name: str, low: float, high: float, low_name: str) -> None:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class OnebitAdamConfig:
-    """1-bit Adam's schedule (SPEC §2)."""
+class CommOptions:
+    """The communication options every commopt optimizer takes, keyword-only, validated once
+    here (:data:`COMM_OPTIONS_DOC` documents them in each constructor). Each optimizer's config
+    extends it with its schedule; ``topology``, ``overlap`` and ``bucket_numel`` are not saved
+    (a resume handles their change itself), the rest are and are checked on resume."""
+
+    topology: Topology = dataclasses.field(default="flat", metadata=_NOT_SAVED)
+    """``"flat"``, ``"hierarchical"`` or ``"auto"`` (:data:`commopt.choices.Topology`)."""
+    overlap: bool = dataclasses.field(default=False, metadata=_NOT_SAVED)
+    """Start each bucket's communication during backward (docs/overlap.md)."""
+    bucket_numel: int | None = dataclasses.field(default=None, metadata=_NOT_SAVED)
+    """The most elements one flat bucket holds (None: the optimizer's default)."""
+    error_feedback: ErrorFeedback = "classic"
+    """The compressed exchange's error feedback: ``"classic"`` (SPEC §1) or ``"econtrol"``."""
+    econtrol_eta: float = 0.2
+    """η of EControl (ignored by ``"classic"``)."""
+    step_guard: StepGuard = "tiny"
+    """Clamp steps |m/(√v+ε)| against a frozen variance to Adam's bound B(β1, β2): ``"tiny"``
+    on the elements whose v is < 1 % of their tensor's mean v, ``True`` on every element,
+    ``False`` never (:mod:`commopt.optim.step_guard`)."""
+
+    def __post_init__(self) -> None:
+        check_choice("topology", self.topology, TOPOLOGIES)
+        if not isinstance(self.overlap, bool):
+            raise TypeError(f"overlap must be True or False, got {self.overlap!r}")
+        numel = self.bucket_numel
+        if numel is not None and (isinstance(numel, bool) or not isinstance(numel, int)):
+            raise TypeError(f"bucket_numel must be an int, got {type(numel).__name__}")
+        if numel is not None and numel < 1:
+            raise ValueError(f"Invalid bucket_numel: {numel} (must be >= 1)")
+        check_choice("error_feedback", self.error_feedback, ERROR_FEEDBACKS)
+        check_number("econtrol_eta", self.econtrol_eta)
+        if not self.econtrol_eta >= 0.0:  # also rejects NaN
+            raise ValueError(f"Invalid econtrol_eta: {self.econtrol_eta} (must be >= 0)")
+        check_choice("step_guard", self.step_guard, STEP_GUARDS)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OnebitAdamConfig(CommOptions):
+    """1-bit Adam's schedule (SPEC §2) and communication options."""
 
     freeze_step: int | str | AutoFreezeSettings = dataclasses.field(
         default=100_000, metadata=_AUTO_FREEZE
@@ -187,24 +309,17 @@ class OnebitAdamConfig:
     """T_w: the last full-precision (warmup) step; the variance is frozen after it (>= 1), or
     ``"auto"`` / an :class:`~commopt.optim.freeze.AutoFreezeSettings`: decided when the variance has
     settled (:class:`commopt.optim.freeze.AutoFreeze` with those constants)."""
-    error_feedback: str = "classic"
-    """The compressed exchange's error feedback: ``"classic"`` (SPEC §1) or ``"econtrol"``."""
-    econtrol_eta: float = 0.2
-    """η of EControl (ignored by ``"classic"``)."""
-    step_guard: bool | str = "tiny"
-    """Clamp compression-stage steps |m/(√v+ε)| to Adam's bound B(β1, β2): ``"tiny"`` on the
-    elements whose v is < 1 % of their tensor's mean v, ``True`` on every element, ``False``
-    never (:mod:`commopt.optim.step_guard`)."""
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         _settle_default_freeze(self, "freeze_step")
         check_freeze_step("freeze_step", self.freeze_step)
-        _check_feedback(self)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class OnebitLambConfig:
-    """1-bit LAMB's schedule and trust-ratio coefficients (SPEC §3), one set for the model."""
+class OnebitLambConfig(CommOptions):
+    """1-bit LAMB's schedule and trust-ratio coefficients (SPEC §3), one set for the model, and
+    communication options."""
 
     freeze_step: int | str | AutoFreezeSettings = dataclasses.field(
         default=100_000, metadata=_AUTO_FREEZE
@@ -222,22 +337,15 @@ class OnebitLambConfig:
     """Lower clamp of the variance factor f."""
     factor_threshold: float = 0.1
     """τ: the most f may change relative to the previous step."""
-    trust_ratio: str = "max"
+    trust_ratio: TrustRatio = "max"
     """``"frozen"``: SPEC §3 (c̄·f); ``"tracking"``: LAMB's clamped ‖p‖/‖u‖ every step;
     ``"max"``: the larger of the two."""
-    error_feedback: str = "classic"
-    """The compressed exchange's error feedback: ``"classic"`` (SPEC §1) or ``"econtrol"``."""
-    econtrol_eta: float = 0.2
-    """η of EControl (ignored by ``"classic"``)."""
-    step_guard: bool | str = "tiny"
-    """Clamp compression-stage |m/(√v+ε)| to Adam's bound B(β1, β2): ``"tiny"``, ``True`` or
-    ``False`` as for 1-bit Adam (:mod:`commopt.optim.step_guard`)."""
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         _settle_default_freeze(self, "freeze_step")
         check_freeze_step("freeze_step", self.freeze_step)
-        _check_choice("trust_ratio", self.trust_ratio, _TRUST_RATIOS)
-        _check_feedback(self)
+        check_choice("trust_ratio", self.trust_ratio, TRUST_RATIOS)
         check_nonnegative("min_coeff", self.min_coeff)
         _check_range("max_coeff", self.min_coeff, self.max_coeff, "min_coeff")
         if not 0.0 <= self.coeff_beta < 1.0:
@@ -248,8 +356,8 @@ class OnebitLambConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class ZeroOneAdamConfig:
-    """0/1 Adam's two schedules (SPEC §4)."""
+class ZeroOneAdamConfig(CommOptions):
+    """0/1 Adam's two schedules (SPEC §4) and communication options."""
 
     var_freeze_step: int | str | AutoFreezeSettings = dataclasses.field(
         default=100_000, metadata=_AUTO_FREEZE
@@ -261,18 +369,11 @@ class ZeroOneAdamConfig:
     """Phase-B steps between doublings of the local-step interval I_l (>= 1)."""
     local_step_clipper: int = 16
     """The largest I_l (>= 1)."""
-    error_feedback: str = "classic"
-    """The compressed exchange's error feedback: ``"classic"`` (SPEC §1) or ``"econtrol"``."""
-    econtrol_eta: float = 0.2
-    """η of EControl (ignored by ``"classic"``)."""
-    step_guard: bool | str = "tiny"
-    """Clamp steps |m/(√v+ε)| to Adam's bound B(β1, β2) in phase A and B: ``"tiny"``, ``True``
-    or ``False`` as for 1-bit Adam (:mod:`commopt.optim.step_guard`)."""
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         _settle_default_freeze(self, "var_freeze_step")
         check_freeze_step("var_freeze_step", self.var_freeze_step)
-        _check_feedback(self)
         check_step_count("var_update_scaler", self.var_update_scaler, 1, _WHY_SCALER)
         check_step_count("local_step_scaler", self.local_step_scaler, 1, _WHY_SCALER)
         check_step_count(
@@ -281,6 +382,15 @@ class ZeroOneAdamConfig:
             1,
             "it is the largest local-step interval",
         )
+
+
+def saved_config(config: CommOptions) -> dict[str, Any]:
+    """The fields of ``config`` that ``state_dict()`` saves and a resume compares."""
+    saved = dataclasses.asdict(config)
+    for field in dataclasses.fields(config):
+        if field.metadata.get("saved", True) is False:
+            del saved[field.name]
+    return saved
 
 
 def config_differences(saved: dict[str, Any], current: Any) -> list[str]:
@@ -293,7 +403,7 @@ def config_differences(saved: dict[str, Any], current: Any) -> list[str]:
     for field in dataclasses.fields(current):
         name = field.name
         value = getattr(current, name)
-        if name not in saved:
+        if name not in saved or field.metadata.get("saved", True) is False:
             continue
         if field.metadata.get("auto_freeze"):
             same = _freeze_value(saved[name]) == _freeze_value(value)
@@ -328,24 +438,3 @@ def check_config_change(saved: dict[str, Any], current: Any, owner: str, allow: 
             "ones"
         )
     warn_at_caller(f"{owner}: resuming under a changed config: {'; '.join(changed)}")
-
-
-class ConfigAttributes:
-    """``opt.freeze_step`` and the other fields of ``opt.config`` read through to it; assigning
-    them is refused (the config is frozen: one place, checked on resume)."""
-
-    def __getattr__(self, name: str) -> Any:
-        config = self.__dict__.get("config")
-        if config is not None and name in {f.name for f in dataclasses.fields(config)}:
-            return getattr(config, name)
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        config = self.__dict__.get("config")
-        if config is not None and name in {f.name for f in dataclasses.fields(config)}:
-            raise AttributeError(
-                f"{name} is part of {type(self).__name__}.config (frozen): construct the "
-                f"optimizer with {name}=..., or resume with load_state_dict(..., "
-                "allow_config_change=True)"
-            )
-        super().__setattr__(name, value)

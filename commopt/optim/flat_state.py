@@ -13,14 +13,14 @@ caller has to remember to say that v changed.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping, MutableMapping
+from collections.abc import Iterable, Mapping, MutableMapping, Sequence
 from typing import Any
 
 import torch
 
-from commopt.buckets import Bucket
+from commopt.buckets import Bucket, Segment
 
-__all__ = ["FlatState", "poison_scratch"]
+__all__ = ["FlatState", "grouped_segments", "poison_scratch"]
 
 
 def poison_scratch() -> bool:
@@ -272,6 +272,13 @@ class FlatState:
                     f"saved {key} has {value.numel()} elements, this exchange needs {buf.numel()}"
                 )
             buf.copy_(value)
+
+
+def grouped_segments(
+    state: FlatState, groups: Sequence[dict[str, Any]]
+) -> list[tuple[Segment, dict[str, Any]]]:
+    """Each segment of the bucket with its param group (of ``groups``)."""
+    return [(seg, groups[seg.group]) for seg in state.bucket.segments]
 
 
 def denominator_(out: torch.Tensor, v: torch.Tensor, bias_sqrt: float, eps: float) -> None:

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import math
 import operator
-from typing import Any
 
 import torch
+from torch.optim.optimizer import ParamsT
 
+from commopt.choices import ErrorFeedback, StepGuard, Topology
 from commopt.comm import Backend
 from commopt.optim._adam import (
     guarded_adam_update_,
@@ -15,14 +16,14 @@ from commopt.optim._adam import (
     update_moments_,
     variance_level_of,
 )
-from commopt.optim.base import CompressedOptimizer
+from commopt.optim.base import BucketOps, CompressedOptimizer, StepContext
 from commopt.optim.config import (
     DEFAULT_FREEZE_STEP,
     OnebitAdamConfig,
     check_adam_arguments,
-    document_schedule,
+    configured_by,
 )
-from commopt.optim.early import WarmupThenMomentum
+from commopt.optim.early import Kind, WarmupThenMomentum
 from commopt.optim.flat_state import FlatState
 from commopt.optim.freeze import AutoFreezeSettings, auto_settings
 from commopt.optim.step_guard import step_bound
@@ -30,7 +31,7 @@ from commopt.optim.step_guard import step_bound
 __all__ = ["OnebitAdam"]
 
 
-@document_schedule
+@configured_by(OnebitAdamConfig)
 class OnebitAdam(CompressedOptimizer):
     r"""1-bit Adam (Tang et al., 2021): Adam for a warmup, then 1-bit compressed momentum.
 
@@ -74,34 +75,10 @@ class OnebitAdam(CompressedOptimizer):
             (min_step, max_step, fraction, threshold); ``"auto"`` is ``AutoFreezeSettings()``.
         bias_correction: divide by 1−β^t as Adam does (default True).
         backend: communication backend; ``None`` resolves as SPEC §5 (``commopt.init()``'s).
-        topology: ``"flat"`` (SPEC §1 over all ranks, default), ``"hierarchical"`` (full
-            precision inside each node, 1 bit between nodes; on gloo the node's ranks share
-            memory, ``COMMOPT_SHARED_MEMORY=0`` to use TCP; docs/hierarchical.md) or
-            ``"auto"`` (hierarchical when there are several nodes of several ranks and a fast
-            path inside the node).
-        overlap: start each bucket's communication during backward, as soon as its last
-            gradient is accumulated (warmup: the full-precision average, asynchronous;
-            compression: the momentum update and the compressed exchange, on staged buffers);
-            ``step()`` waits for it and commits. Bit-identical to ``overlap=False``. Default
-            False. Requires every rank to produce gradients for the same parameters in the same
-            order each step; accumulate with :meth:`no_sync`; ``p.grad`` stays local, so
-            clipping it after backward has no effect, and GradScaler is refused. Under DDP use
-            :mod:`commopt.ddp` instead. The exchanges run on a communication thread, bucket
-            by bucket in the order their gradients become ready; see docs/overlap.md.
-        bucket_numel: the most elements one flat bucket holds (default 2**25; a larger tensor
-            gets a bucket of its own). One bucket is one compressed exchange: with
-            ``overlap=True``, several buckets let the first exchanges run while backward is
-            still computing the rest (docs/overlap.md). Results depend on the layout (one
-            scale per bucket), so compare runs at the same ``bucket_numel``.
-        error_feedback: ``"classic"`` (SPEC §1, default) or ``"econtrol"`` (EControl, Gao et
-            al. 2024; docs/algorithms/error_feedback.md) for the compressed exchange: it
-            helped on strongly heterogeneous data and was 14–30 % worse (or diverged) on the
-            demo LM, where every rank sees the same data mix (docs/experiments.md §3).
-        econtrol_eta: η of EControl (default 0.2; ignored by ``"classic"``).
-        step_guard: clamp compression-stage steps |m̂/(√v̂ + ε)| to the largest step exact
-            Adam can take, B(β1, β2) (:mod:`commopt.optim.step_guard`): ``"tiny"`` (default) on the
-            elements whose v is below 1 % of their tensor's mean v, ``True`` on every element,
-            ``False`` never (the paper's step).
+        {communication_options}
+
+    With ``overlap=True`` the warmup's full-precision average, and in the compression stage the
+    momentum's fold and compressed exchange, start during backward (docs/overlap.md).
 
     Tuning ``freeze_step``: the variance must have settled before it is frozen, because every
     later step divides by it. Too early and the frozen √v is too small or too noisy, and
@@ -140,7 +117,7 @@ class OnebitAdam(CompressedOptimizer):
 
     def __init__(
         self,
-        params: Any,
+        params: ParamsT,
         lr: float = 1e-3,
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
@@ -149,16 +126,19 @@ class OnebitAdam(CompressedOptimizer):
         bias_correction: bool = True,
         backend: Backend | None = None,
         *,
-        topology: str = "flat",
+        topology: Topology = "flat",
         overlap: bool = False,
         bucket_numel: int | None = None,
-        error_feedback: str = "classic",
+        error_feedback: ErrorFeedback = "classic",
         econtrol_eta: float = 0.2,
-        step_guard: bool | str = "tiny",
+        step_guard: StepGuard = "tiny",
     ) -> None:
         check_adam_arguments(lr, betas, eps, weight_decay)
         config = OnebitAdamConfig(
             freeze_step=freeze_step,
+            topology=topology,
+            overlap=overlap,
+            bucket_numel=bucket_numel,
             error_feedback=error_feedback,
             econtrol_eta=econtrol_eta,
             step_guard=step_guard,
@@ -166,41 +146,40 @@ class OnebitAdam(CompressedOptimizer):
         defaults = dict(
             lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction
         )
-        super().__init__(params, defaults, config, backend, topology)
-        self._set_overlap(overlap, bucket_numel)
+        super().__init__(params, defaults, config, backend)
 
-    def _step(self, step: int) -> None:
-        freeze_step = self.frozen_after()
+    def _step(self, ctx: StepContext) -> None:
+        step, freeze_step = ctx.step, ctx.freeze.last_full_step()
         observed = []
-        for state in self.flat_states:
+        for state in ctx.states:
             t = step - self.first_step(state)  # a group added later runs its own warmup
             m, v = state.flat["exp_avg"], state.flat["exp_avg_sq"]
             if t <= freeze_step:  # warmup: Adam on the averaged gradient
-                g = self._averaged_grads(state)
-                for seg, group in self.segments(state):
+                g = ctx.averaged_grads(state)
+                for seg, group in ctx.segments(state):
                     beta1, beta2 = group["betas"]
                     update_moments_(m[seg.slice], v[seg.slice], g[seg.slice], beta1, beta2)
                 if self.first_step(state) == 0:
                     observed.append(state)
             else:  # compression: local gradient into m, then m is averaged at one bit
-                if not self._take_exchanged_momentum(state):  # (unless a DDP hook did it)
-                    for seg, group in self.segments(state):
+                if ctx.take(Kind.MOMENTUM, state) is None:  # (unless a DDP hook did it)
+                    for seg, group in ctx.segments(state):
                         momentum_from_grads_(seg.views(m), seg.params, group["betas"][0])
-                    self._compress(state, m)
-                self._mask(state, m)
+                    ctx.exchange(state, m)
+                ctx.mask(state, m)
             self._apply_update(state, t, freeze_step)
         automatic = auto_settings(self.config.freeze_step) is not None
         if observed and automatic and math.isinf(freeze_step):
             corrected = operator.itemgetter("bias_correction")
-            self._freeze.observe(step, variance_level_of(observed, self.segments, step, corrected))
+            ctx.freeze.observe(step, variance_level_of(observed, ctx.segments, step, corrected))
 
-    def _early_plan(self) -> WarmupThenMomentum:
+    def _early_plan(self, ops: BucketOps) -> WarmupThenMomentum:
         # m′ = β1·m + (1−β1)·g exchanged as step() exchanges m; without a gradient m·β1
         # (momentum_from_grads_)
         def exchange(state: FlatState, m: torch.Tensor, errors: dict, step: int) -> None:
-            self._compress(state, m, errors)
+            ops.exchange(state, m, errors)
 
-        return WarmupThenMomentum(self.first_step, self.frozen_after, exchange, False)
+        return WarmupThenMomentum(self.frozen_after, exchange, False)
 
     def _apply_update(self, state: FlatState, t: int, freeze_step: float) -> None:
         """p ← p − η·(m̂/(√v̂ + ε) + λ·p), group by group, with v̂'s bias factor frozen too;

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import math
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
+from torch.optim.optimizer import ParamsT
 
+from commopt.choices import ErrorFeedback, StepGuard, Topology, TrustRatio
 from commopt.comm import Backend
 from commopt.compressed import NonFiniteError
 from commopt.optim._adam import update_moments_, variance_level_of
@@ -21,14 +23,14 @@ from commopt.optim._lamb import (
     tensor_norms,
     tensor_ranges,
 )
-from commopt.optim.base import CompressedOptimizer
+from commopt.optim.base import BucketOps, CompressedOptimizer, StepContext
 from commopt.optim.config import (
     DEFAULT_FREEZE_STEP,
     OnebitLambConfig,
     check_adam_arguments,
-    document_schedule,
+    configured_by,
 )
-from commopt.optim.early import WarmupThenMomentum
+from commopt.optim.early import Kind, WarmupThenMomentum
 from commopt.optim.flat_state import FlatState
 from commopt.optim.freeze import AutoFreezeSettings, auto_settings
 from commopt.optim.step_guard import bound_step_, guarded_elements, step_bound
@@ -36,7 +38,7 @@ from commopt.optim.step_guard import bound_step_, guarded_elements, step_bound
 __all__ = ["OnebitLamb"]
 
 
-@document_schedule
+@configured_by(OnebitLambConfig)
 class OnebitLamb(CompressedOptimizer):
     r"""1-bit LAMB (Li et al., 2022): LAMB for a warmup, then 1-bit compressed momentum.
 
@@ -93,38 +95,19 @@ class OnebitLamb(CompressedOptimizer):
         factor_min: lower clamp of the variance factor f (default 0.5).
         factor_threshold: τ, the most f may change relative to the previous step (default 0.1).
         backend: communication backend; ``None`` resolves as SPEC §5 (``commopt.init()``'s).
-        topology: ``"flat"`` (SPEC §1 over all ranks, default), ``"hierarchical"`` (full
-            precision inside each node, 1 bit between nodes; on gloo the node's ranks share
-            memory, ``COMMOPT_SHARED_MEMORY=0`` to use TCP; docs/hierarchical.md) or
-            ``"auto"`` (hierarchical when there are several nodes of several ranks and a fast
-            path inside the node).
         trust_ratio: ``"max"`` (default): max(c̄_k·f_k, c_k) per tensor with c_k LAMB's own
             ratio clip(‖p_k‖/‖u_k‖, min_coeff, max_coeff) of the update u = m/(√v + ε) + λp
             that every rank already holds after the exchange (no message;
             :mod:`commopt.optim._lamb`). ``"frozen"``: c̄·f as above, SPEC §3 exactly
             (DeepSpeed's rule). ``"tracking"``: c_k alone, recomputed every compression step
             (f and v_f are not used).
-        overlap: start each bucket's communication during backward, as soon as its last
-            gradient is accumulated: the warmup's full-precision average, and in the
-            compression stage the fold and the σ-scaled exchange m' ← C(m'·σ)/σ (at the first
-            compression step with the σ ``step()`` is about to freeze), on staged buffers;
-            ``step()`` waits, commits and runs the rest (v_f, the factor, the trust ratio, the
-            update). Bit-identical to ``overlap=False``, with any ``trust_ratio``. Default
-            False. Needs several buckets (``bucket_numel``) to hide anything; the conditions
-            (same parameters with gradients on every rank, :meth:`no_sync` to accumulate, no
-            GradScaler, no DDP) are :class:`OnebitAdam`'s; see docs/overlap.md.
-        bucket_numel: the most elements one flat bucket holds (default None: one bucket per
-            device and dtype, one compressed call per step). Results depend on the layout (one
-            scale per bucket), so compare runs at the same ``bucket_numel``.
-        error_feedback: ``"classic"`` (SPEC §1, default) or ``"econtrol"`` (EControl, Gao et
-            al. 2024; docs/algorithms/error_feedback.md) for the compressed exchange: it
-            helped on strongly heterogeneous data and was 14–30 % worse (or diverged) on the
-            demo LM, where every rank sees the same data mix (docs/experiments.md §3).
-        econtrol_eta: η of EControl (default 0.2; ignored by ``"classic"``).
-        step_guard: clamp compression-stage |m/(√v + ε)| to B(β1, β2), the largest value exact
-            Adam can take (:mod:`commopt.optim.step_guard`): ``"tiny"`` (default) on the elements
-            whose v is below 1 % of their tensor's mean v, ``True`` on every element, ``False``
-            never (the paper's step).
+        {communication_options}
+
+    With ``overlap=True`` the warmup's full-precision average starts during backward, and in
+    the compression stage the fold and the σ-scaled exchange m' ← C(m'·σ)/σ (at the first
+    compression step with the σ ``step()`` is about to freeze); ``step()`` waits, commits and
+    runs the rest (v_f, the factor, the trust ratio, the update), bit-identical with any
+    ``trust_ratio``. It needs several buckets (``bucket_numel``) to hide anything.
 
     ``freeze_step="auto"`` (or an :class:`commopt.AutoFreezeSettings` with other constants)
     freezes once the bias-corrected variance level has settled
@@ -168,11 +151,11 @@ class OnebitLamb(CompressedOptimizer):
         "last_factor": 1.0,  # f^last
         "lamb_coeff": 1.0,  # the trust ratio used by the last step (get_lamb_coeffs)
     }
-    _bucket_numel = None  # one bucket, one compressed call for the whole model
+    _default_bucket_numel = None  # one bucket, one compressed call for the whole model
 
     def __init__(
         self,
-        params: Any,
+        params: ParamsT,
         lr: float = 1e-3,
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
@@ -186,17 +169,20 @@ class OnebitLamb(CompressedOptimizer):
         factor_threshold: float = 0.1,
         backend: Backend | None = None,
         *,
-        topology: str = "flat",
-        trust_ratio: str = "max",
+        topology: Topology = "flat",
+        trust_ratio: TrustRatio = "max",
         overlap: bool = False,
         bucket_numel: int | None = None,
-        error_feedback: str = "classic",
+        error_feedback: ErrorFeedback = "classic",
         econtrol_eta: float = 0.2,
-        step_guard: bool | str = "tiny",
+        step_guard: StepGuard = "tiny",
     ) -> None:
         check_adam_arguments(lr, betas, eps, weight_decay)
         config = OnebitLambConfig(
             trust_ratio=trust_ratio,
+            topology=topology,
+            overlap=overlap,
+            bucket_numel=bucket_numel,
             error_feedback=error_feedback,
             econtrol_eta=econtrol_eta,
             step_guard=step_guard,
@@ -209,8 +195,7 @@ class OnebitLamb(CompressedOptimizer):
             factor_threshold=factor_threshold,
         )
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
-        super().__init__(params, defaults, config, backend, topology)
-        self._set_overlap(overlap, bucket_numel)
+        super().__init__(params, defaults, config, backend)
 
     def get_lamb_coeffs(self) -> list[float]:
         """The trust ratios c_k used by the last step, one per parameter in param_groups order
@@ -223,39 +208,40 @@ class OnebitLamb(CompressedOptimizer):
         ]
         return torch.stack(coeffs).tolist() if coeffs else []
 
-    def _step(self, step: int) -> None:
-        freeze_step = self.frozen_after()
+    def _step(self, ctx: StepContext) -> None:
+        step, freeze_step = ctx.step, ctx.freeze.last_full_step()
         compressing, warm = [], []
-        for state in self.flat_states:
+        for state in ctx.states:
             t = step - self.first_step(state)  # a group added later runs its own warmup
             if t <= freeze_step:
-                self._warmup_step(state, keep_fresh=t == freeze_step)
+                self._warmup_step(ctx, state, keep_fresh=t == freeze_step)
                 if self.first_step(state) == 0:
                     warm.append(state)
             else:
                 compressing.append((state, t == freeze_step + 1))
         if compressing:
-            self._compressed_step(compressing)
+            self._compressed_step(ctx, compressing)
         if warm and auto_settings(self.config.freeze_step) is not None and math.isinf(freeze_step):
-            level = variance_level_of(warm, self.segments, step)
-            if self._freeze.observe(step, level):  # frozen now: v_f starts as v
+            level = variance_level_of(warm, ctx.segments, step)
+            if ctx.freeze.observe(step, level):  # frozen now: v_f starts as v
                 for state in warm:
                     state.buffer("exp_avg_sq_fresh").copy_(state.flat["exp_avg_sq"])
 
-    def _early_plan(self) -> WarmupThenMomentum:
+    def _early_plan(self, ops: BucketOps) -> WarmupThenMomentum:
         # steps 3–5 on a staged m′ = β1·m + (1−β1)·g: m′ ← C(m′·σ)/σ with the σ of early_sigma;
         # without a gradient g = 0 through lerp (_exchange_momentum folds gather_grads' zeros)
         def exchange(state: FlatState, m: torch.Tensor, errors: dict, step: int) -> None:
-            sigma = early_sigma(self, state, step)
-            exchange_scaled_(self._compress, state, m, sigma, errors)
+            before_step = self.global_state["step"] < step
+            sigma = early_sigma(self.flat_states, state, step, self.frozen_after(), before_step)
+            exchange_scaled_(ops.exchange, state, m, sigma, errors)
 
-        return WarmupThenMomentum(self.first_step, self.frozen_after, exchange, True)
+        return WarmupThenMomentum(self.frozen_after, exchange, True)
 
-    def _warmup_step(self, state: FlatState, keep_fresh: bool) -> None:
+    def _warmup_step(self, ctx: StepContext, state: FlatState, keep_fresh: bool) -> None:
         """LAMB on the averaged gradient; the trust ratios feed the EMA c̄."""
         cfg, bucket, scalars = self.config, state.bucket, state.scalars
         m, v = state.flat["exp_avg"], state.flat["exp_avg_sq"]
-        g = self._averaged_grads(state)  # (a DDP hook may have averaged it already)
+        g = ctx.averaged_grads(state)  # (a DDP hook may have averaged it already)
         p = state.gather_params(state.scratch("work"))
         u = g  # g is not needed once the moments have it
         for seg, group in self.segments(state):
@@ -274,7 +260,7 @@ class OnebitLamb(CompressedOptimizer):
         if keep_fresh:
             state.buffer("exp_avg_sq_fresh").copy_(v)
 
-    def _compressed_step(self, states: list[tuple[FlatState, bool]]) -> None:
+    def _compressed_step(self, ctx: StepContext, states: list[tuple[FlatState, bool]]) -> None:
         """SPEC §3 steps 1–10. Every bucket's momentum is exchanged before any is used, so a
         non-finite momentum (raised on every rank alike) restores m and σ everywhere and the
         step is skipped with nothing changed."""
@@ -287,7 +273,7 @@ class OnebitLamb(CompressedOptimizer):
         try:
             for state, _ in states:
                 touched.append(state)
-                self._exchange_momentum(state, done, several=len(states) > 1)
+                self._exchange_momentum(ctx, state, done, several=len(states) > 1)
         except NonFiniteError:
             for state, comm in done:
                 for key, buf in state.comm.items():
@@ -301,7 +287,11 @@ class OnebitLamb(CompressedOptimizer):
             self._variance_factor_update(state)
 
     def _exchange_momentum(
-        self, state: FlatState, done: list[tuple[FlatState, dict[str, torch.Tensor]]], several: bool
+        self,
+        ctx: StepContext,
+        state: FlatState,
+        done: list[tuple[FlatState, dict[str, torch.Tensor]]],
+        several: bool,
     ) -> None:
         """Steps 1 and 3–5: m_prev = m; m ← C((β1·m + (1−β1)·g)·σ)/σ ⊙ mask (or the m' a
         DDP hook folded and exchanged during backward, :meth:`_early_plan`)."""
@@ -310,16 +300,16 @@ class OnebitLamb(CompressedOptimizer):
         # With several buckets, an earlier bucket's error buffers must be restorable if a later
         # exchange finds non-finite values; with one, the exchange leaves them untouched itself.
         saved = {k: v.clone() for k, v in state.comm.items()} if several else {}
-        if self._take_exchanged_momentum(state):  # 3.–5. done during backward
+        if ctx.take(Kind.MOMENTUM, state) is not None:  # 3.–5. done during backward
             done.append((state, saved))
-            self._mask(state, m)
+            ctx.mask(state, m)
             return
         g = state.gather_grads(state.scratch("grad"))
         for seg, group in self.segments(state):  # 3.
             update_moments_(m[seg.slice], None, g[seg.slice], group["betas"][0], 0.0)
-        exchange_scaled_(self._compress, state, m, state.scalars["scaling_coeff"])  # 4.–5.
+        exchange_scaled_(ctx.exchange, state, m, state.scalars["scaling_coeff"])  # 4.–5.
         done.append((state, saved))
-        self._mask(state, m)
+        ctx.mask(state, m)
 
     def _tracking_update(self, state: FlatState) -> None:
         """``trust_ratio="tracking"``: u = m/(√v + ε) + λp with v frozen; c_k = LAMB's clamped
@@ -375,7 +365,7 @@ class OnebitLamb(CompressedOptimizer):
             u_norm = tensor_norms(bucket, u)
             shrink = torch.where(u_norm > 0, u0_norm / torch.where(u_norm > 0, u_norm, 1.0), 1.0)
             shrink.clamp_(max=1.0)
-            for group, k in tensor_ranges(self, state):
+            for group, k in tensor_ranges(self.segments(state)):
                 if group["weight_decay"] > 0:
                     factor[k] = factor[k] * shrink[k] + (1 - shrink[k])
         last = scalars["last_factor"]  # 9.
@@ -391,7 +381,7 @@ class OnebitLamb(CompressedOptimizer):
     def _apply_update(self, state: FlatState, u: torch.Tensor, coeff: torch.Tensor) -> None:
         """p ← p − η·c_k·u (u is consumed)."""
         scale = torch.empty_like(coeff)
-        for group, k in tensor_ranges(self, state):
+        for group, k in tensor_ranges(self.segments(state)):
             torch.mul(coeff[k], -group["lr"], out=scale[k])
         scale_tensors_(state.bucket, u, scale)
         for p, view in zip(state.bucket.params, state.bucket.views(u), strict=True):

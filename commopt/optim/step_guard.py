@@ -41,13 +41,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from commopt.buckets import Segment
+from commopt.choices import StepGuard
 from commopt.kernels import get_kernels
 
 if TYPE_CHECKING:
     from commopt.optim.flat_state import FlatState
 
 __all__ = [
-    "STEP_GUARDS",
     "TINY_VARIANCE",
     "adam_step_bound",
     "bound_step_",
@@ -55,9 +55,6 @@ __all__ = [
     "guarded_elements",
     "step_bound",
 ]
-
-STEP_GUARDS = (False, True, "tiny")
-"""The values of the optimizers' ``step_guard``: off, every element, tiny-variance elements."""
 
 TINY_VARIANCE = 1e-2
 """``"tiny"`` clamps the elements whose v < TINY_VARIANCE · mean(v) of their tensor. An element at
@@ -157,9 +154,7 @@ def guarded_denominator(
     return out
 
 
-def step_bound(
-    mode: bool | str, betas: tuple[float, float], bias_correction: bool = False
-) -> float:
+def step_bound(mode: StepGuard, betas: tuple[float, float], bias_correction: bool = False) -> float:
     """B(β1, β2) (:func:`adam_step_bound`) when the guard is on (``mode`` not False), else
     ``math.inf``."""
     if not mode:
@@ -168,7 +163,7 @@ def step_bound(
 
 
 def guarded_elements(
-    mode: bool | str, state: FlatState, seg: Segment
+    mode: StepGuard, state: FlatState, seg: Segment
 ) -> torch.Tensor | slice | None:
     """Which elements of segment ``seg`` of ``state`` the guard clamps: ``None`` (none: the
     unguarded path, bit-identical to ``step_guard=False``), ``slice(None)`` (all, with

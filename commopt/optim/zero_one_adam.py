@@ -2,43 +2,46 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any, ClassVar
 
-import torch
+from torch.optim.optimizer import ParamsT
 
+from commopt.choices import ErrorFeedback, StepGuard, Topology
 from commopt.comm import Backend
 from commopt.compressed import NonFiniteError
 from commopt.optim._adam import (
-    guard_limits,
-    guarded_adam_update_,
     momentum_from_grads_,
     momentum_step_sizes,
     update_moments_,
-    variance_denominator,
     variance_level_of,
+    variance_updates,
 )
 from commopt.optim._agreement import nonfinite_ranks
 from commopt.optim._checks import check_group_joins_phase_a
 from commopt.optim._resume import upgrade_zero_one_groups
 from commopt.optim._warnings import sync_point_not_finite, warn_sync_diverged
-from commopt.optim._zero_one_schedule import ZeroOneSchedule
-from commopt.optim._zero_one_staged import StagedSync, SyncSteps
-from commopt.optim.base import CompressedOptimizer
+from commopt.optim._zero_one import (
+    StagedSync,
+    ZeroOneSchedule,
+    frozen_denominator,
+    local_update_,
+    sync_bucket_,
+)
+from commopt.optim.base import BucketOps, CompressedOptimizer, StepContext
 from commopt.optim.config import (
     DEFAULT_FREEZE_STEP,
     ZeroOneAdamConfig,
     check_adam_arguments,
-    document_schedule,
+    configured_by,
 )
+from commopt.optim.early import Kind
 from commopt.optim.flat_state import FlatState
 from commopt.optim.freeze import AutoFreezeSettings, auto_settings, settled_step
-from commopt.optim.step_guard import bound_step_, guarded_elements, step_bound
 
 __all__ = ["ZeroOneAdam"]
 
 
-@document_schedule
+@configured_by(ZeroOneAdamConfig)
 class ZeroOneAdam(CompressedOptimizer):
     r"""0/1 Adam (Lu et al., 2023): fewer variance updates, 1-bit gradients, then local steps.
 
@@ -107,14 +110,12 @@ class ZeroOneAdam(CompressedOptimizer):
             (docs/algorithms/zero_one_adam.md). k and t come from the shared schedule: nothing
             is exchanged or saved for them.
         backend: communication backend; ``None`` resolves as SPEC §5 (``commopt.init()``'s).
-        topology: ``"flat"`` (default), ``"hierarchical"`` or ``"auto"``, as :class:`OnebitAdam`.
-        overlap: as :class:`OnebitAdam`'s (default False, bit-identical to ``overlap=False``,
-            docs/overlap.md): a variance step's average, a 1-bit step's exchange and a sync
-            step's local update and exchange start during backward, staged; ``step()`` redoes a
-            sync whose lr (or other hyperparameter) changed after backward. Local steps send
-            nothing.
-        bucket_numel: the most elements one flat bucket holds (default 2**25; a larger tensor
-            gets a bucket of its own). Results depend on the layout (one scale per bucket).
+        {communication_options}
+
+    With ``overlap=True`` a variance step's average, a 1-bit step's exchange and a sync step's
+    local update and exchange start during backward, staged; ``step()`` redoes a sync whose lr
+    (or other hyperparameter) changed after backward (docs/overlap.md). Local steps send
+    nothing. Each param group has buckets of its own: a sync's 1-bit scale is per lr.
 
     Tuning: ``var_update_scaler`` trades variance freshness for communication (each variance
     step is a full-precision allreduce). ``var_freeze_step`` plays the role of 1-bit Adam's
@@ -159,10 +160,11 @@ class ZeroOneAdam(CompressedOptimizer):
     _lazy_flat_keys = ("p_sync",)
     _freeze_field: ClassVar[str] = "var_freeze_step"
     _late_cohorts: ClassVar[bool] = False  # v's schedule is global: refused once frozen
+    _bucket_per_group: ClassVar[bool] = True  # a sync's 1-bit scale is per lr: per group
 
     def __init__(
         self,
-        params: Any,
+        params: ParamsT,
         lr: float = 1e-3,
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
@@ -173,16 +175,19 @@ class ZeroOneAdam(CompressedOptimizer):
         local_step_clipper: int = 16,
         backend: Backend | None = None,
         *,
-        topology: str = "flat",
+        topology: Topology = "flat",
         overlap: bool = False,
         bucket_numel: int | None = None,
-        error_feedback: str = "classic",
+        error_feedback: ErrorFeedback = "classic",
         econtrol_eta: float = 0.2,
-        step_guard: bool | str = "tiny",
+        step_guard: StepGuard = "tiny",
         bias_correction: bool = True,
     ) -> None:
         check_adam_arguments(lr, betas, eps, weight_decay)
         config = ZeroOneAdamConfig(
+            topology=topology,
+            overlap=overlap,
+            bucket_numel=bucket_numel,
             error_feedback=error_feedback,
             econtrol_eta=econtrol_eta,
             step_guard=step_guard,
@@ -193,21 +198,19 @@ class ZeroOneAdam(CompressedOptimizer):
         )
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         defaults["bias_correction"] = bias_correction
-        super().__init__(params, defaults, config, backend, topology)
-        self._layout.bucket_per_group = True  # a sync's 1-bit scale is per lr: per group
+        super().__init__(params, defaults, config, backend)
         self._start_schedule()
-        self._set_overlap(overlap, bucket_numel)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Parameters may join in phase A only: their variance is estimated on the variance
         steps that remain (they do not move until one gives them a variance). After
         ``var_freeze_step`` v is frozen, so new parameters could never get one."""
-        step = getattr(self, "global_state", {"step": 0})["step"]
-        check_group_joins_phase_a(step, self.frozen_after() if "config" in self.__dict__ else None)
+        gs = self.global_state
+        check_group_joins_phase_a(gs["step"], self.frozen_after())
         super().add_param_group(param_group)
         # k of v̂ = v/(1 − β2^k) counts its variance updates from here (constructor's: from 0)
-        schedule = self.__dict__.get("_schedule")
-        k = 0 if schedule is None else schedule.variance_updates()
+        interval, counter = gs.get("var_interval", 1), gs.get("var_counter", 0)
+        k = variance_updates(interval, counter, self.config.var_update_scaler)
         self.param_groups[-1].setdefault("variance_offset", k)
 
     def load_state_dict(
@@ -218,90 +221,95 @@ class ZeroOneAdam(CompressedOptimizer):
         upgrade_zero_one_groups(self.param_groups, self.config.var_update_scaler)
 
     # -- steps --------------------------------------------------------------------------------
-    def _step(self, step: int) -> None:
-        if step <= self.frozen_after():
-            self._phase_a_step(step)
+    def _step(self, ctx: StepContext) -> None:
+        if self._schedule.in_phase_a(ctx.step):
+            self._phase_a_step(ctx)
         else:
-            self._phase_b_step(step)
+            self._phase_b_step(ctx)
 
     def _communicates(self, step: int) -> bool:
         return self._schedule.communicates(step)
 
     def _skip_local(self, step: int) -> None:
         # this rank's m and p stay; the schedule shared by all ranks advances
-        self._schedule.advance_local(self._step_sizes(step))
+        self._schedule.advance_local(momentum_step_sizes(self.param_groups, step))
 
-    def _phase_a_step(self, step: int) -> None:
-        variance = self._schedule.is_variance_step(step)
-        for state in self.flat_states:
+    def _phase_a_step(self, ctx: StepContext) -> None:
+        variance = self._schedule.is_variance_step(ctx.step)
+        for state in ctx.states:
             m, v = state.flat["exp_avg"], state.flat["exp_avg_sq"]
             if variance:  # 1. a full-precision average updates both moments
-                g = self._averaged_grads(state)  # (a DDP hook may have averaged it already)
+                g = ctx.averaged_grads(state)  # (a DDP hook may have averaged it already)
             else:  # 2. the local gradient at one bit (at n = 1 g itself: nothing is dropped)
-                g = self._take_exchanged_gradient(state)  # (a DDP hook may have done it)
+                g = ctx.take(Kind.GRADIENT, state)  # (a DDP hook may have done it)
                 if g is None:
                     g = state.gather_grads(state.scratch("grad"))
-                    self._compress(state, g)
-                self._mask(state, g)
-            for seg, group in self.segments(state):
+                    ctx.exchange(state, g)
+                ctx.mask(state, g)
+            for seg, group in ctx.segments(state):
                 beta1, beta2 = group["betas"]
                 sl = seg.slice
                 update_moments_(m[sl], v[sl] if variance else None, g[sl], beta1, beta2)
-            self._adam_update(state, step, variance)  # 3.
+            self._local_update(state, ctx.step, updated=variance)  # 3.
         if variance:
             self._schedule.advance_variance()
             if auto_settings(self.config.var_freeze_step) is not None:
-                self._observe(step)
+                self._observe(ctx)
 
-    def _observe(self, step: int) -> None:
+    def _observe(self, ctx: StepContext) -> None:
         """The automatic freeze sees v̂'s level after k variance updates; a group without
         ``bias_correction`` (v used as it is) lets it freeze once (1 − β2^k) has settled."""
         gs = self.global_state
         k = gs["variance_updates"] = gs.get("variance_updates", 0) + 1
-        states = [s for s in self.flat_states if self.first_step(s) == 0]
+        states = [s for s in ctx.states if self.first_step(s) == 0]
         threshold = self.auto_freeze.threshold
-        uncorrected = [g for s in states for _, g in self.segments(s) if not g["bias_correction"]]
+        uncorrected = [g for s in states for _, g in ctx.segments(s) if not g["bias_correction"]]
         settled = max([1] + [settled_step(g["betas"][1], threshold) for g in uncorrected])
-        level = variance_level_of(states, self.segments, k)
-        self._freeze.observe(step, level, ready=k >= settled)
+        level = variance_level_of(states, ctx.segments, k)
+        ctx.freeze.observe(ctx.step, level, ready=k >= settled)
 
-    def _phase_b_step(self, step: int) -> None:
-        gs = self.global_state
-        sync = self._schedule.is_sync_step(step)  # before advance_local may double I_l
-        if sync and self._commit_staged_sync(step):  # overlap: staged during backward
-            self._schedule.advance_local(self._step_sizes(step))
-            gs["lrs"] = [0.0] * len(self.param_groups)
-            return
-        if not gs["local_started"]:  # entry: errors now compensate accumulators, not gradients
-            for state in self.flat_states:
+    def _phase_b_step(self, ctx: StepContext) -> None:
+        step, schedule, groups = ctx.step, self._schedule, len(self.param_groups)
+        sync = schedule.is_sync_step(step)  # before advance_local may double I_l
+        if sync and self.overlap:  # staged during backward: committed if nothing changed
+            diverged = self._early_plan(ctx.ops).commit(self.early_work, step)
+            if diverged is not None:
+                if diverged:
+                    self._diverged()
+                schedule.advance_local(momentum_step_sizes(self.param_groups, step))
+                schedule.synced(groups)
+                return
+        if not self.global_state["local_started"]:  # errors now compensate accumulators
+            for state in ctx.states:
                 state.reset_comm()
                 state.gather_params(state.buffer("p_sync"))
-            gs["lrs"] = [0.0] * len(self.param_groups)
-            gs["local_started"] = True
-        for state in self.flat_states:  # 1. a local Adam step
+            schedule.enter_phase_b(groups)
+        for state in ctx.states:  # 1. a local Adam step
             m = state.flat["exp_avg"]
-            for seg, group in self.segments(state):
+            for seg, group in ctx.segments(state):
                 momentum_from_grads_(seg.views(m), seg.params, group["betas"][0])
             # v is frozen at 0 there, so m/(√v+ε) would be m/ε; m was 0 there (masked at every
             # sync), so zeroing it now is the same as discarding the local gradient
-            self._discard_zero_variance(state, m)
-            self._adam_update(state, step)
-        self._schedule.advance_local(self._step_sizes(step))  # s now includes this step's η
+            ctx.ops.discard_zero_variance(state, m, warn=True)
+            self._local_update(state, step)
+        schedule.advance_local(momentum_step_sizes(self.param_groups, step))  # s includes η
         if sync:  # 2.
-            self._sync()
-            gs["lrs"] = [0.0] * len(self.param_groups)
+            self._sync(ctx)
+            schedule.synced(groups)
 
-    def _sync(self) -> None:
+    def _sync(self, ctx: StepContext) -> None:
         """2. a = C((p − p_sync)⊙(√v+ε)) ⊙ mask; m ← −a/s; p ← p_sync + a/(√v+ε); p_sync ← p.
         A bucket whose accumulator is inf/NaN on any rank (a replica diverged) is refused by the
         exchange on every rank alike, before any error buffer changes, and returns to its last
         synced point everywhere (p ← p_sync, m ← 0; :meth:`_diverged`): replicas stay identical."""
         diverged = False
-        for state in self.flat_states:
+        lrs, guard = self.global_state["lrs"], self.config.step_guard
+        for state in ctx.states:
             m, p_sync = state.flat["exp_avg"], state.buffer("p_sync")
             acc = state.gather_params(state.scratch("grad")).sub_(p_sync)
+            d = frozen_denominator(state, ctx.groups, self._schedule.variance_updates())
             try:
-                self._sync_bucket_(state, acc, m, p_sync, self.global_state["lrs"])
+                sync_bucket_(ctx.ops, state, ctx.groups, d, acc, m, p_sync, lrs, guard)
             except NonFiniteError:
                 state.set_params(p_sync)
                 m.zero_()
@@ -320,81 +328,21 @@ class ZeroOneAdam(CompressedOptimizer):
             raise RuntimeError(sync_point_not_finite(bad, self.global_state["step"]))
         warn_sync_diverged()
 
-    def _sync_bucket_(
-        self,
-        state: FlatState,
-        acc: torch.Tensor,
-        m: torch.Tensor,
-        p_sync: torch.Tensor,
-        lrs: list[float],
-        errors: dict[str, torch.Tensor] | None = None,
-    ) -> None:
-        """One bucket's sync, in ``step()`` and staged alike: ``acc`` = p′ − p_sync on entry;
-        a = C(acc⊙(√v̂ + ε)) ⊙ mask (``errors``: the error buffers to use, default the committed
-        ones); m ← −a/s per group (0 where s = 0); acc ← p_sync + a/(√v̂ + ε), each element's
-        move bounded by s·B where the step guard applies. Raises NonFiniteError (every rank
-        alike, no error buffer changed) if acc is non-finite on any rank."""
-        acc.mul_(self._frozen_denominator(state))
-        self._compress(state, acc, errors)
-        self._mask(state, acc)
-        for seg in state.bucket.segments:
-            if lrs[seg.group] > 0:
-                torch.div(acc[seg.slice], -lrs[seg.group], out=m[seg.slice])
-            else:  # η was 0 since the last sync: nothing moved, no momentum to recover
-                m[seg.slice].zero_()
-        acc.div_(self._frozen_denominator(state))
-        for seg, group in self.segments(state):  # s lr-weighted steps of at most B = step_bound
-            guard = self.config.step_guard
-            where = guarded_elements(guard, state, seg)
-            bound = step_bound(guard, group["betas"], group["bias_correction"]) * lrs[seg.group]
-            if where is not None and lrs[seg.group] > 0 and math.isfinite(bound):
-                bound_step_(acc[seg.slice], bound, where)
-        acc.add_(p_sync)
-
-    # -- the pure math, per bucket (commopt.optim._adam) -------------------------------------
-    def _frozen_denominator(self, state: FlatState, updated: bool = False) -> torch.Tensor:
-        """√v̂ + ε (``updated``: counting this step's variance update, not yet scheduled)."""
+    def _local_update(self, state: FlatState, step: int, updated: bool = False) -> None:
+        """p ← p − η·(m/(√v̂ + ε) + λ·p), guarded (``updated``: v had its update of this step,
+        not yet counted by the schedule)."""
         k = self._schedule.variance_updates() + updated
-        return variance_denominator(state, self.segments(state), k)
+        d = frozen_denominator(state, self.param_groups, k)
+        step_sizes = momentum_step_sizes(self.param_groups, step)
+        local_update_(state, self.param_groups, step_sizes, d, self.config.step_guard)
 
-    def _step_sizes(self, step: int) -> list[float]:
-        return momentum_step_sizes(self.param_groups, step)
-
-    def _adam_update(
-        self,
-        state: FlatState,
-        step: int,
-        updated: bool = False,
-        m: torch.Tensor | None = None,
-        target: torch.Tensor | None = None,
-    ) -> None:
-        """p ← p − η·(m/(√v̂ + ε) + λ·p), group by group, guarded (``updated``: v had its
-        update of this step; a staged sync: staged ``m``, p′ in ``target``)."""
-        d = self._frozen_denominator(state, updated)
-        m = state.flat["exp_avg"] if m is None else m
-        all_sizes = self._step_sizes(step)
-        step_sizes = [all_sizes[seg.group] for seg in state.bucket.segments]
-        limits = guard_limits(self.segments(state), step_sizes, self.config.step_guard)
-        segments, guard = self.segments(state), self.config.step_guard
-        guarded_adam_update_(state, segments, m, d, step_sizes, limits, guard, target)
-
-    # -- overlap=True: the sync staged during backward (commopt.optim._zero_one_staged) -------
+    # -- overlap=True: the sync staged during backward (commopt.optim._zero_one) --------------
     def _start_schedule(self) -> None:
-        """The schedule over ``global_state`` (anew after a load), and the staged sync on it."""
+        """The schedule over ``global_state`` (anew after a load)."""
         self._schedule = ZeroOneSchedule(self.global_state, self.frozen_after, self.config)
-        steps = SyncSteps(
-            compress=self._compress,
-            discard_zero_variance=lambda s, m: self._zero_variance_guard.apply_(s, m, warn=False),
-            local_update=self._adam_update,
-            sync_bucket=self._sync_bucket_,
-            step_sizes=self._step_sizes,
-            diverged=self._diverged,
-        )
-        self._staged_sync = StagedSync(self, self._schedule, steps)
 
-    def _early_plan(self) -> StagedSync:
-        return self._staged_sync
-
-    def _commit_staged_sync(self, step: int) -> bool:
-        """overlap: commit the sync staged during backward (False: run it now)."""
-        return self.overlap and self._staged_sync.commit(self.early_work, step)
+    def _early_plan(self, ops: BucketOps) -> StagedSync:
+        # holds no state of its own: step() commits through a plan built alike
+        groups, states = (lambda: self.param_groups), (lambda: self.flat_states)
+        guard = self.config.step_guard
+        return StagedSync(self._schedule, ops, groups, states, self.overlap, guard)

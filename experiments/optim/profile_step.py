@@ -59,7 +59,7 @@ PHASES = [
     ("  kernel: server (unstaged)", "commopt.kernels.numba_kernels.NumbaKernels.server_reduce_"),
     ("  kernel: unpack", "commopt.kernels.numba_kernels.NumbaKernels.unpack_scaled_"),
     ("  compression-error dot", "<method 'dot' of 'torch._C.TensorBase' objects>"),
-    ("mask", "commopt.optim.base.CompressedOptimizer._mask"),
+    ("mask", "commopt.optim.base.BucketOps.mask"),
     ("update (total)", "commopt.optim.onebit_adam.OnebitAdam._apply_update"),
     ("  denominator", "commopt.optim.flat_state.FlatState.denominator"),
     ("  step guard + addcdiv", "commopt.optim._adam.guarded_adam_update_"),

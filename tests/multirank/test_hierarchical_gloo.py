@@ -472,7 +472,9 @@ def _bad_inputs(backend):
 def test_wrong_topology_inputs() -> None:
     for rank, errors in enumerate(run_ranks(_bad_inputs, 4, timeout=TIMEOUT)):
         assert len(errors) == 5, errors
-        assert "Invalid topology: 'ring' (must be 'flat', 'hierarchical' or 'auto')" in errors[0]
+        assert (
+            "Invalid topology: 'ring' (choose one of 'flat', 'hierarchical', 'auto')" in errors[0]
+        )
         assert "topology='flat' takes no further arguments, got ['env']" in errors[1]
         assert "topology must be a commopt.exchange.topology.Topology" in errors[2]
         assert "the topology describes rank 0 of 2 but the backend is rank" in errors[3]

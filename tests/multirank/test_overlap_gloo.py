@@ -380,9 +380,10 @@ def _failing(backend, fail_step: int, bad_rank: int | None):
     warnings.simplefilter("ignore")
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
-    opt = commopt.OnebitAdam(model.parameters(), lr=0.02, freeze_step=2, overlap=True)
-    opt._bucket_numel = 50
-    compress = opt._compress
+    params = model.parameters()
+    opt = commopt.OnebitAdam(params, lr=0.02, freeze_step=2, overlap=True, bucket_numel=50)
+    ops = opt._ops  # every exchange, in step() and on the thread, goes through it
+    compress = ops.exchange
     seen = []
 
     def broken(*args, **kwargs):
@@ -390,7 +391,7 @@ def _failing(backend, fail_step: int, bad_rank: int | None):
             raise _Broken(f"injected on {threading.current_thread().name}")
         return compress(*args, **kwargs)
 
-    opt._compress = broken
+    ops.exchange = broken
     for step in range(1, 6):
         g = torch.Generator().manual_seed(step + 10 * backend.rank)
         x, y = torch.randn(4, 6, generator=g), torch.randn(4, 3, generator=g)

@@ -10,11 +10,18 @@ import warnings
 import torch
 
 import commopt
+from commopt.optim._zero_one import ZeroOneSchedule, frozen_denominator
 from tests.multirank.harness import run_ranks
 
 TIMEOUT = 300.0
 STEPS = 24
 FREEZE = 11  # variance steps 1, 2, 4, 6, 8, 10 (scaler 2); phase B from 12, syncs 12, 13, 14, 16…
+
+
+def _denominator(opt, state):
+    """√v̂ + ε of a bucket as 0/1 Adam's step reads it, after the variance updates so far."""
+    k = ZeroOneSchedule(opt.global_state, opt.frozen_after, opt.config).variance_updates()
+    return frozen_denominator(state, opt.param_groups, k)
 
 
 def _run(backend, correct: bool) -> dict:
@@ -52,7 +59,7 @@ def _run(backend, correct: bool) -> dict:
         if opt.global_state["lrs"] in ([], [0.0], [0.0, 0.0]):  # phase A, or just synced
             params = list(model.parameters()) + list(head.parameters())
             synced.append(torch.cat([p.detach().reshape(-1) for p in params]))
-        denominators.append(torch.cat([opt._frozen_denominator(s) for s in opt.flat_states]))
+        denominators.append(torch.cat([_denominator(opt, s) for s in opt.flat_states]))
     return {
         "synced": synced,
         "d": denominators,

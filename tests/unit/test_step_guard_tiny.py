@@ -123,7 +123,7 @@ def test_zero_one_adam_guard_acts_in_both_phases_on_tiny_elements_only():
 @pytest.mark.parametrize("bad", ["all", 1, 0, None, "off"])
 def test_invalid_step_guard_is_rejected_with_the_choices(bad):
     w = torch.nn.Parameter(torch.zeros(2))
-    choices = r"\(choose 'tiny', True or False\)"
+    choices = r"\(choose one of 'tiny', True, False\)"
     with pytest.raises(ValueError, match=r"Invalid step_guard: .* " + choices):
         commopt.OnebitAdam([w], step_guard=bad)
 

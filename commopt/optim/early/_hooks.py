@@ -44,13 +44,6 @@ class GradientHooks:
         self.paused = False
         self._handles: list[Any] = []
 
-    @classmethod
-    def of(cls, owner: Any) -> GradientHooks:
-        """Hooks that reach ``owner.early_work`` weakly (a dropped optimizer is collected, and
-        its thread stopped, at once)."""
-        ref = weakref.ref(owner)
-        return cls(lambda: ref().early_work)  # type: ignore[union-attr]
-
     def enable(self, params: Sequence[torch.Tensor]) -> None:
         self.enabled = True
         self.attach(params)

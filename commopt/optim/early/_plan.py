@@ -70,8 +70,9 @@ class WarmupThenMomentum:
     and, after it, the momentum folded and exchanged at one bit (:attr:`Kind.MOMENTUM`), both
     functions of the gradient and the committed state alone.
 
+    A bucket's parameters warm up from the step they joined at (``bucket.first_step``).
+
     Args:
-        first_step: the step before a bucket's parameters joined (each group warms up anew).
         frozen_after: the last warmup step, as it is now.
         exchange: ``exchange(state, m, errors, step)``, the algorithm's exchange of a staged m′.
         fold_missing_as_zero: see :class:`EarlyPlan`.
@@ -79,16 +80,15 @@ class WarmupThenMomentum:
 
     def __init__(
         self,
-        first_step: Callable[[FlatState], int],
         frozen_after: Callable[[], float],
         exchange: Callable[[FlatState, torch.Tensor, dict[str, torch.Tensor], int], None],
         fold_missing_as_zero: bool,
     ) -> None:
-        self._first_step, self._frozen_after, self._exchange = first_step, frozen_after, exchange
+        self._frozen_after, self._exchange = frozen_after, exchange
         self.fold_missing_as_zero = fold_missing_as_zero
 
     def kind(self, state: FlatState, step: int) -> Kind:
-        t = step - self._first_step(state)  # a group added later runs its own warmup
+        t = step - state.bucket.first_step  # a group added later runs its own warmup
         return Kind.AVERAGE if t <= self._frozen_after() else Kind.MOMENTUM
 
     def exchange(

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import threading
 import time
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -101,12 +100,11 @@ class CommThread:
 
     # -- the main thread's side -----------------------------------------------------------------
     @classmethod
-    def opened(cls, name: str, backend: Any, owner: object) -> CommThread:
+    def opened(cls, name: str, backend: Any) -> CommThread:
         """A thread with its own channel on ``backend``, opened now: collectively, while every
         rank builds the optimizer (not at the first job, which a rank that skips that backward
-        pass would never reach); closed, with its channel, when ``owner`` is collected."""
+        pass would never reach); :meth:`close` closes its channel too."""
         thread = cls(name)
-        weakref.finalize(owner, thread.close)
         thread.channel, closer = open_channel(backend)
         if closer is not None:
             thread.on_close.append(closer)

@@ -229,7 +229,7 @@ class EarlyWork:
             raise RuntimeError("EarlyWork: no future to complete")
         backend = self._comm.backend
         if backend.world_size > 1:
-            self._comm.rounds["full"] += 1
+            self._comm.count_average()
         if threaded:  # on the thread, in order; the same arithmetic as below
 
             def job() -> None:
