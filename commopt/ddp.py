@@ -52,7 +52,7 @@ Semantics to know:
   warmup, as with DDP. In the compression stage the local gradient has already been folded
   into the momentum when backward returns; ``step()`` sees that ``p.grad`` (or β1) changed
   since and redoes the step as the standalone optimizer would, from ``p.grad`` (the same bits;
-  the communication paid twice in that step; :class:`commopt.optim.early.EarlyReads`).
+  the communication paid twice in that step; :class:`commopt.optim.early._work.EarlyReads`).
 - **GradScaler** (fp16 loss scaling) cannot be combined with the compression stage: the
   gradient is folded before the scaler unscales it; ``step()`` raises. bf16 autocast needs no
   scaler and works.
@@ -72,7 +72,8 @@ import torch.distributed as dist
 from commopt.comm import all_reduce_async
 from commopt.comm.handoff import completed_future, device_future
 from commopt.optim.base import CompressedOptimizer
-from commopt.optim.early import Kind, after_ddp_backward
+from commopt.optim.early import Kind
+from commopt.optim.early._work import after_ddp_backward
 
 __all__ = ["OnebitHookState", "onebit_hook"]
 

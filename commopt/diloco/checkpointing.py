@@ -21,8 +21,9 @@ nothing when it refuses: a ``ValueError`` names what does not fit.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import warnings
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
@@ -30,45 +31,48 @@ from commopt.comm import Backend
 from commopt.diloco.averages import PseudoGradientAverage
 from commopt.diloco.fragments import Fragment
 
-__all__ = ["DiLoCo", "load_state_dict", "state_dict"]
+__all__ = ["Parts", "load_state_dict", "state_dict"]
 
 
-class DiLoCo(Protocol):
-    """What the state dict reads and writes of :class:`commopt.diloco.DiLoCo`."""
+@dataclasses.dataclass(frozen=True)
+class Parts:
+    """What the state dict reads and writes of a :class:`commopt.diloco.DiLoCo`, handed over
+    as values: its inner optimizer, backend, average, fragments, progress (written in place
+    on load) and settings."""
 
     inner: torch.optim.Optimizer
     backend: Backend
     average: PseudoGradientAverage
     parts: list[Fragment]
     progress: Any  # commopt.diloco.outer.Progress
-
-    def settings(self) -> dict[str, int]: ...
+    settings: dict[str, int]
 
 
 _ANCHOR, _MOMENTUM = "diloco_anchor", "diloco_outer_momentum"
 
 
-def _layout(opt: DiLoCo) -> str:
-    exchange = getattr(opt.average, "exchange", None)
-    return opt.average.name + (f":{exchange.name}" if exchange is not None else "")
+def _layout(own: Parts) -> str:
+    exchange = getattr(own.average, "exchange", None)
+    return own.average.name + (f":{exchange.name}" if exchange is not None else "")
 
 
-def _indices(opt: DiLoCo) -> dict[int, int]:
+def _indices(own: Parts) -> dict[int, int]:
     """id(parameter) → its index in the inner optimizer's state dict (param_groups order)."""
-    params = [p for g in opt.inner.param_groups for p in g["params"]]
+    params = [p for g in own.inner.param_groups for p in g["params"]]
     return {id(p): i for i, p in enumerate(params)}
 
 
-def state_dict(opt: DiLoCo) -> dict[str, Any]:
-    """The state dict of ``opt`` (module docstring); waits for a delayed sync in flight."""
+def state_dict(own: Parts) -> dict[str, Any]:
+    """The state dict of the DiLoCo whose parts are ``own`` (module docstring); waits for a
+    delayed sync in flight."""
     pending = [
         {"fragment": p, "apply_at": at, "average": future.result().clone()}
-        for p, (future, at) in sorted(opt.progress.pending.items())
+        for p, (future, at) in sorted(own.progress.pending.items())
     ]
-    inner = opt.inner.state_dict()
-    index = _indices(opt)
+    inner = own.inner.state_dict()
+    index = _indices(own)
     state = {k: dict(v) for k, v in inner["state"].items()}
-    for frag in opt.parts:
+    for frag in own.parts:
         moms = frag.views(frag.momentum) if frag.momentum is not None else None
         for j, (p, anchor) in enumerate(zip(frag.params, frag.views(frag.anchor), strict=True)):
             entry = state.setdefault(index[id(p)], {})
@@ -77,23 +81,23 @@ def state_dict(opt: DiLoCo) -> dict[str, Any]:
                 entry[_MOMENTUM] = moms[j]
     comm = {
         "kind": "diloco",
-        "world_size": opt.backend.world_size,
-        "rank": opt.backend.rank,
-        "layout": _layout(opt),
-        "settings": opt.settings(),
-        "step": opt.progress.step,
-        "syncs": opt.progress.syncs,
-        "last_sync": list(opt.progress.last_sync),
-        "bytes": dict(opt.progress.bytes),
-        "buckets": [dict(state) for frag in opt.parts for state in frag.states],
+        "world_size": own.backend.world_size,
+        "rank": own.backend.rank,
+        "layout": _layout(own),
+        "settings": own.settings,
+        "step": own.progress.step,
+        "syncs": own.progress.syncs,
+        "last_sync": list(own.progress.last_sync),
+        "bytes": dict(own.progress.bytes),
+        "buckets": [dict(state) for frag in own.parts for state in frag.states],
         "pending": pending,
         "inner": inner.get("commopt"),
     }
     return {"state": state, "param_groups": inner["param_groups"], "commopt": comm}
 
 
-def _check(opt: DiLoCo, sd: dict[str, Any]) -> bool:
-    """Raise ``ValueError`` unless ``sd`` fits ``opt``; returns whether the saved error buffers
+def _check(own: Parts, sd: dict[str, Any]) -> bool:
+    """Raise ``ValueError`` unless ``sd`` fits ``own``; returns whether the saved error buffers
     are to be restored (False: reset to zero, with a warning where that is news)."""
     comm = sd.get("commopt") if isinstance(sd, dict) else None
     if not isinstance(comm, dict) or comm.get("kind") != "diloco":
@@ -101,7 +105,7 @@ def _check(opt: DiLoCo, sd: dict[str, Any]) -> bool:
             "DiLoCo.load_state_dict: this is not a DiLoCo state dict (no 'commopt' part of kind "
             "'diloco'); to load the inner optimizer's own state, call opt.inner.load_state_dict"
         )
-    mine = opt.settings()
+    mine = own.settings
     saved = comm.get("settings", {})
     differ = [k for k in mine if saved.get(k) != mine[k]]
     if differ:
@@ -110,8 +114,8 @@ def _check(opt: DiLoCo, sd: dict[str, Any]) -> bool:
             + "; ".join(f"{k} saved {saved.get(k)}, here {mine[k]}" for k in differ)
             + " (floats as their bits); build the DiLoCo with the saved settings"
         )
-    index = _indices(opt)
-    for frag in opt.parts:
+    index = _indices(own)
+    for frag in own.parts:
         for p in frag.params:
             entry = sd["state"].get(index[id(p)], {})
             for key, needed in ((_ANCHOR, True), (_MOMENTUM, frag.momentum is not None)):
@@ -122,22 +126,22 @@ def _check(opt: DiLoCo, sd: dict[str, Any]) -> bool:
                         f"{tuple(p.shape)} (got {None if t is None else tuple(t.shape)})"
                     )
     for item in comm.get("pending", []):
-        frag = opt.parts[item["fragment"]] if 0 <= item["fragment"] < len(opt.parts) else None
+        frag = own.parts[item["fragment"]] if 0 <= item["fragment"] < len(own.parts) else None
         if frag is None or item["average"].numel() != frag.numel:
             raise ValueError("DiLoCo.load_state_dict: a delayed sync does not fit the fragments")
     buckets = comm.get("buckets", [])
     if not buckets:
         return False
-    n = opt.backend.world_size
-    if comm.get("world_size") != n or comm.get("layout") != _layout(opt):
+    n = own.backend.world_size
+    if comm.get("world_size") != n or comm.get("layout") != _layout(own):
         warnings.warn(
             f"DiLoCo.load_state_dict: the error buffers were saved for {comm.get('layout')!r} "
-            f"at world size {comm.get('world_size')}, this is {_layout(opt)!r} at {n}: they "
+            f"at world size {comm.get('world_size')}, this is {_layout(own)!r} at {n}: they "
             "are reset to zero",
             stacklevel=3,
         )
         return False
-    states = [state for frag in opt.parts for state in frag.states]
+    states = [state for frag in own.parts for state in frag.states]
     for k, (state, saved_state) in enumerate(zip(states, buckets, strict=False)):
         sizes = {key: v.numel() for key, v in saved_state.items()}
         here = {key: v.numel() for key, v in state.items()}
@@ -149,10 +153,10 @@ def _check(opt: DiLoCo, sd: dict[str, Any]) -> bool:
     return True
 
 
-def load_state_dict(opt: DiLoCo, sd: dict[str, Any]) -> None:
-    """Restore ``sd`` into ``opt`` (module docstring)."""
-    restore_errors = _check(opt, sd)
-    for future, _ in opt.progress.pending.values():  # nothing may write the buffers meanwhile
+def load_state_dict(own: Parts, sd: dict[str, Any]) -> None:
+    """Restore ``sd`` into the DiLoCo whose parts are ``own`` (module docstring)."""
+    restore_errors = _check(own, sd)
+    for future, _ in own.progress.pending.values():  # nothing may write the buffers meanwhile
         concurrent.futures.wait([future])
     comm = sd["commopt"]
     inner_state = {}
@@ -164,13 +168,13 @@ def load_state_dict(opt: DiLoCo, sd: dict[str, Any]) -> None:
     if comm.get("inner") is not None:
         inner["commopt"] = comm["inner"]
         if not restore_errors:
-            n, r = opt.backend.world_size, opt.backend.rank
+            n, r = own.backend.world_size, own.backend.rank
             inner["commopt"] = {**comm["inner"], "world_size": n, "rank": r, "buckets": []}
-    opt.inner.load_state_dict(inner)  # checks its own part before it changes anything
+    own.inner.load_state_dict(inner)  # checks its own part before it changes anything
 
-    index = _indices(opt)
+    index = _indices(own)
     with torch.no_grad():
-        states = [state for frag in opt.parts for state in frag.states]
+        states = [state for frag in own.parts for state in frag.states]
         saved = comm["buckets"] if restore_errors else [{} for _ in states]
         for state, saved_state in zip(states, saved, strict=True):
             for key, buf in state.items():
@@ -178,20 +182,20 @@ def load_state_dict(opt: DiLoCo, sd: dict[str, Any]) -> None:
                     buf.copy_(saved_state[key])
                 else:
                     buf.zero_()
-        for frag in opt.parts:
+        for frag in own.parts:
             for j, (p, anchor) in enumerate(zip(frag.params, frag.views(frag.anchor), strict=True)):
                 entry = sd["state"][index[id(p)]]
                 anchor.copy_(entry[_ANCHOR])
                 if frag.momentum is not None:
                     frag.views(frag.momentum)[j].copy_(entry[_MOMENTUM])
-    opt.progress.step = int(comm["step"])
-    opt.progress.syncs = int(comm.get("syncs", 0))
-    opt.progress.last_sync[:] = [int(t) for t in comm["last_sync"]]
-    opt.progress.bytes.update(comm.get("bytes", {}))
-    opt.progress.pending.clear()
+    own.progress.step = int(comm["step"])
+    own.progress.syncs = int(comm.get("syncs", 0))
+    own.progress.last_sync[:] = [int(t) for t in comm["last_sync"]]
+    own.progress.bytes.update(comm.get("bytes", {}))
+    own.progress.pending.clear()
     for item in comm.get("pending", []):
-        frag = opt.parts[item["fragment"]]
+        frag = own.parts[item["fragment"]]
         frag.delta.copy_(item["average"])
         done: concurrent.futures.Future[torch.Tensor] = concurrent.futures.Future()
         done.set_result(frag.delta)
-        opt.progress.pending[item["fragment"]] = (done, int(item["apply_at"]))
+        own.progress.pending[item["fragment"]] = (done, int(item["apply_at"]))

@@ -369,11 +369,15 @@ class DiLoCo:
         ``"commopt"`` this rank's error buffers, the step and any delayed sync in flight
         (:mod:`commopt.diloco.checkpointing`; with :func:`commopt.save_checkpoint` the anchors
         are written once and the error buffers per rank)."""
-        return checkpointing.state_dict(self)
+        return checkpointing.state_dict(self._parts())
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`; everything is checked before anything changes."""
-        checkpointing.load_state_dict(self, state_dict)
+        checkpointing.load_state_dict(self._parts(), state_dict)
+
+    def _parts(self) -> checkpointing.Parts:
+        inner, be, average, progress = self.inner, self.backend, self.average, self.progress
+        return checkpointing.Parts(inner, be, average, self.parts, progress, self.settings())
 
     def __repr__(self) -> str:
         return (

@@ -12,7 +12,7 @@ A kernel set implements four functions (SPEC §1; N padded length, M = N/n the s
   bits = pack(c_s ≥ 0); f ← c_s − t·sgn(c_s).
 - ``unpack_scaled_(bits[n, M/8], scales[n], out)``: out = concat_j t_j·sgn(bits_j)[:L].
 - ``guard_denominator_(out, m, d, bound, where)``: the optimizers' step guard
-  (:mod:`commopt.optim.step_guard`) on the indices ``where``: out[where] = max(d, |m|/bound)[where].
+  (:mod:`commopt.optim.adam`) on the indices ``where``: out[where] = max(d, |m|/bound)[where].
 
 Optionally, ``server_stages(f) -> ServerStages``: ``server_reduce_`` cut into stages over
 ranges of the chunk (average each range as its bits arrive, then t over the whole chunk, then

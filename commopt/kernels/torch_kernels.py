@@ -124,7 +124,7 @@ class TorchKernels:
         where: torch.Tensor,
     ) -> None:
         """The step guard's denominator
-        (:func:`commopt.optim.step_guard.guarded_denominator`) on the elements ``where`` (1-D
+        (:func:`commopt.optim.adam.guarded_denominator`) on the elements ``where`` (1-D
         int64 indices): out[where] = max(d, |m|/bound) there; nothing else is written."""
         floor = m[where].abs().div_(bound)
         out[where] = torch.maximum(d[where], floor)

@@ -3,6 +3,18 @@
 A rank that raises or skips alone leaves the others waiting in the next collective, so every
 condition that depends on a rank's own data (its model, its gradients) is reduced across ranks
 first, in one small all-reduce, and all ranks act on the same verdict.
+
+**Settings.** The ranks agree on the hyperparameters: a digest in every step's agreement, a
+clear error.
+
+Ranks built with different ``lr``, ``betas`` or ``weight_decay`` (a typo in one launcher's
+arguments, a learning-rate scheduler stepped on a per-rank metric) take different steps from the
+same averaged gradients, and their replicas drift apart without a word. The per-step agreement
+already sends a few integers; one more pair carries a 63-bit digest of every setting — the
+config and each param group's options — so that a difference is found at the first communicating
+step after it appears, at the cost of hashing a few dozen short strings. Only then is the
+difference located (:func:`check_same_settings`: two more small collectives) and raised, naming
+the setting and every rank's value, on every rank alike.
 """
 
 from __future__ import annotations
@@ -17,8 +29,7 @@ from typing import Any
 import torch
 
 from commopt.comm import Backend
-from commopt.optim._settings import item_key, settings_items, settings_key
-from commopt.optim._warnings import warn_averaged_already
+from commopt.notices import warn_averaged_already
 
 __all__ = [
     "GradientAgreement",
@@ -28,10 +39,46 @@ __all__ = [
     "check_same_settings",
     "describe_param",
     "first_difference",
+    "item_key",
     "left_untouched",
     "model_key",
     "nonfinite_ranks",
+    "settings_items",
+    "settings_key",
 ]
+
+
+def _text(value: Any) -> str:
+    """A value as text that is equal exactly when the values are (floats: repr round-trips)."""
+    if isinstance(value, torch.Tensor):
+        return f"tensor({value.detach().cpu().tolist()!r})"
+    if isinstance(value, (tuple, list)):
+        return "(" + ", ".join(_text(v) for v in value) + ")"
+    return repr(value)
+
+
+def settings_items(config: Any, param_groups: Sequence[dict[str, Any]]) -> list[tuple[str, str]]:
+    """(name, value as text) of every field of ``config`` and every option of every param group
+    (its parameters aside), in a fixed order."""
+    items = [(f.name, _text(getattr(config, f.name))) for f in dataclasses.fields(config)]
+    for gi, group in enumerate(param_groups):
+        for key in sorted(k for k in group if k != "params"):
+            items.append((f"param_groups[{gi}][{key!r}]", _text(group[key])))
+    return items
+
+
+def _hash(text: str) -> int:
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
+
+
+def settings_key(items: Sequence[tuple[str, str]]) -> int:
+    """63-bit digest of :func:`settings_items`."""
+    return _hash("\n".join(f"{name}={value}" for name, value in items))
+
+
+def item_key(name: str, value: str) -> int:
+    """63-bit digest of one item (to locate a difference item by item)."""
+    return _hash(f"{name}={value}")
 
 
 def _fingerprint(p: torch.Tensor) -> int:
@@ -70,7 +117,7 @@ _VALUE_BYTES = 48  # how much of each rank's setting check_same_settings shows
 
 def check_same_settings(backend: Backend, items: Sequence[tuple[str, str]], owner: str) -> None:
     """Raise the same ValueError on every rank unless every rank has the same ``items``
-    (:func:`~commopt.optim._settings.settings_items`), naming the first setting that differs
+    (:func:`~commopt.optim._agreement.settings_items`), naming the first setting that differs
     and every rank's value (all-gathered); nothing when only the digest collided."""
     be = backend
     if be.world_size == 1:
@@ -232,7 +279,7 @@ def agree_on_gradients(
 ) -> GradientVerdict:
     """Agree in one all-reduce (max) of 9 + ``width`` integers on: the model (``key``, from
     :func:`model_key`), the hyperparameters (``settings``, from
-    :func:`~commopt.optim._settings.settings_key`), sparse gradients, non-finite gradients, and
+    :func:`~commopt.optim._agreement.settings_key`), sparse gradients, non-finite gradients, and
     which of the first
     ``width`` parameters have a gradient somewhere. ``width`` is the parameter count all ranks
     last agreed on, so the message has the same size on every rank even when one rank has
@@ -311,7 +358,7 @@ class GradientAgreement:
     Args:
         name: the optimizer's class name, for the messages.
         config: the optimizer's config, whose fields the ranks agree on with the param groups'
-            options (:mod:`commopt.optim._settings`).
+            options (:mod:`commopt.optim._agreement`).
     """
 
     def __init__(self, name: str, config: Any = None) -> None:

@@ -57,8 +57,7 @@ class Communication:
         exchange (they hold no training state) and counts its own rounds."""
         new = copy.copy(self)
         memo[id(self)] = new
-        new._rounds = dict(self._rounds)
-        new.last_compression = None
+        new.__dict__.update(_rounds=dict(self._rounds), last_compression=None)
         return new
 
     @property

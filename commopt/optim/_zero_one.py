@@ -50,16 +50,19 @@ import torch
 
 from commopt.choices import StepGuard
 from commopt.compressed import NonFiniteError
-from commopt.optim._adam import (
+from commopt.optim.adam import (
+    bound_step_,
     guard_limits,
     guarded_adam_update_,
+    guarded_elements,
     momentum_step_sizes,
+    step_bound,
     variance_denominator,
     variance_updates,
 )
-from commopt.optim.early import EarlyWork, Kind, StagedBuffers
+from commopt.optim.early import Kind, StagedBuffers
+from commopt.optim.early._work import EarlyWork
 from commopt.optim.flat_state import FlatState, grouped_segments
-from commopt.optim.step_guard import bound_step_, guarded_elements, step_bound
 
 if TYPE_CHECKING:
     from commopt.optim.base import BucketOps

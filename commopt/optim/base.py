@@ -1,10 +1,10 @@
 """The orchestration every commopt optimizer shares: agree, lay out, run the algorithm, commit.
 
-Each piece owns its state: buckets (:mod:`._layout`, :mod:`.flat_state`), agreement
-(:mod:`._agreement`), backend and exchange (:mod:`._communication`), freeze point (:mod:`.freeze`),
-master weights (:mod:`._precision`), saved schedule (:mod:`.config`, :mod:`._resume`), work
-started during backward (:mod:`.early`). A subclass names its flat keys and implements
-``_step(ctx)`` and ``_early_plan(ops)``: the base hands it its collaborators, a
+Each piece owns its state: buckets, their cohorts and what a resume restores (:mod:`._layout`,
+:mod:`.flat_state`), agreement (:mod:`._agreement`), backend and exchange
+(:mod:`._communication`), freeze point (:mod:`.freeze`), master weights (:mod:`.adam`), config
+(:mod:`.config`), work started during backward (:mod:`.early`). A subclass names its flat keys
+and implements ``_step(ctx)`` and ``_early_plan(ops)``: the base hands it its collaborators, a
 :class:`StepContext` for each step and the :class:`BucketOps` its early plan exchanges with, and
 the algorithm calls them the way torch's ``Adam`` calls ``adam(...)``."""
 
@@ -24,17 +24,29 @@ from commopt.buckets import DEFAULT_BUCKET_NUMEL, Segment
 from commopt.comm import Backend
 from commopt.compressed import NonFiniteError
 from commopt.exchange import Exchange
-from commopt.optim._adam import ZeroVarianceGuard, apply_exp_avg_mask_
+from commopt.notices import log_compression_started, warn_redone, warn_skipped
 from commopt.optim._agreement import GradientAgreement, describe_param, left_untouched
-from commopt.optim._checks import check_no_scaler_after_early_work, check_param_group
-from commopt.optim._cohorts import Cohorts, late_starters, refuse_late_start, start_cohorts
 from commopt.optim._communication import Communication
-from commopt.optim._layout import BucketLayout
-from commopt.optim._precision import master_weights, unscale_grads_
-from commopt.optim._resume import commopt_entry, keep_state_dtypes, split_commopt_entry
-from commopt.optim._warnings import log_compression_started, warn_redone, warn_skipped
-from commopt.optim.config import CommOptions
-from commopt.optim.early import CommThread, EarlyPlan, EarlyWork, GradientHooks, Kind
+from commopt.optim._layout import (
+    BucketLayout,
+    Cohorts,
+    commopt_entry,
+    keep_state_dtypes,
+    late_starters,
+    refuse_late_start,
+    split_commopt_entry,
+    start_cohorts,
+)
+from commopt.optim.adam import (
+    ZeroVarianceGuard,
+    apply_exp_avg_mask_,
+    master_weights,
+    unscale_grads_,
+)
+from commopt.optim.config import CommOptions, check_no_scaler_after_early_work, check_param_group
+from commopt.optim.early import EarlyPlan, Kind
+from commopt.optim.early._thread import CommThread
+from commopt.optim.early._work import EarlyWork, GradientHooks
 from commopt.optim.flat_state import FlatState, grouped_segments
 from commopt.optim.freeze import AutoFreeze, FreezePoint
 
@@ -156,7 +168,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
     _scalar_keys: ClassVar[dict[str, float]] = {}
     #: the bucket size cap when ``bucket_numel`` is None (None: one bucket per device)
     _default_bucket_numel: ClassVar[int | None] = DEFAULT_BUCKET_NUMEL
-    _late_cohorts: ClassVar[bool] = True  # first trained late: own schedule (:mod:`._cohorts`)
+    _late_cohorts: ClassVar[bool] = True  # first trained late: own schedule (:mod:`._layout`)
     #: each param group in buckets of its own (0/1 Adam: a sync's 1-bit scale is per lr)
     _bucket_per_group: ClassVar[bool] = False
     #: the config field that may be ``"auto"`` or an AutoFreezeSettings (AutoFreeze decides)
@@ -378,7 +390,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
             return loss
         gs, groups = self.global_state, self.param_groups
         late = late_starters(gs, verdict.without_grad, groups, step) if collective else []
-        if late or self._layout.untrained != Cohorts.of(gs).untrained:  # (:mod:`._cohorts`)
+        if late or self._layout.untrained != Cohorts.of(gs).untrained:  # (:mod:`._layout`)
             states = self._start_late(late, step)
         scale = getattr(self, "grad_scale", None)
         if scale is not None:
@@ -428,7 +440,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
             self._early.settle()
         return self._comm.stats(self.global_state["skipped_steps"], self._layout.states or [])
 
-    # -- checkpoints (commopt.optim._resume) ---------------------------------------------------
+    # -- checkpoints (commopt.optim._layout) ---------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """torch's plus ``"commopt"``: config, schedule, this rank's exchange buffers."""
         sd = super().state_dict()

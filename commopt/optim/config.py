@@ -1,4 +1,5 @@
-"""Each optimizer's schedule in one typed, validated, checkpointed place.
+"""What an optimizer is built with: its schedule and communication options in one typed,
+validated, checkpointed place, and what the constructors and ``add_param_group`` refuse.
 
 Per-group hyperparameters (lr, betas, eps, weight_decay, bias_correction) stay in
 ``param_groups`` as in torch.optim. What decides *when* an optimizer changes phase, and the
@@ -6,6 +7,10 @@ coefficients that only make sense for the whole model, live in one frozen datacl
 optimizer (``optimizer.config``). It is saved in ``state_dict()`` and compared on
 ``load_state_dict``: resuming with a different schedule would silently move the run into
 another phase, so it raises unless ``allow_config_change=True`` is passed.
+
+**Refusals**, beyond the config's own checks: param groups the flat fp32 state cannot represent,
+an invalid ``overlap`` or ``bucket_numel``, and 0/1 Adam's groups that would join after its
+variance froze.
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ import os
 import textwrap
 from collections.abc import Callable
 from typing import Any, TypeVar
+
+import torch
 
 from commopt.choices import (
     ERROR_FEEDBACKS,
@@ -28,8 +35,33 @@ from commopt.choices import (
     TrustRatio,
     check_choice,
 )
-from commopt.optim._warnings import warn_at_caller
+from commopt.notices import warn_at_caller
 from commopt.optim.freeze import AutoFreezeSettings, auto_settings
+
+__all__ = [
+    "COMM_OPTIONS_DOC",
+    "DEFAULT_FREEZE_STEP",
+    "CommOptions",
+    "OnebitAdamConfig",
+    "OnebitLambConfig",
+    "ZeroOneAdamConfig",
+    "check_adam_arguments",
+    "check_beta",
+    "check_config_change",
+    "check_freeze_step",
+    "check_group_joins_phase_a",
+    "check_no_scaler_after_early_work",
+    "check_nonnegative",
+    "check_number",
+    "check_overlap_arguments",
+    "check_param_group",
+    "check_step_count",
+    "config_differences",
+    "configured_by",
+    "fill_template",
+    "saved_config",
+]
+
 
 T = TypeVar("T")
 
@@ -114,7 +146,7 @@ COMM_OPTIONS_DOC = """topology: ``"flat"`` (SPEC §1 over all ranks, default), `
             rank sees the same data mix (docs/experiments.md §3).
         econtrol_eta: η of EControl (default 0.2; ignored by ``"classic"``).
         step_guard: clamp steps |m̂/(√v̂ + ε)| taken against a frozen variance to B(β1, β2),
-            the largest step exact Adam can take (:mod:`commopt.optim.step_guard`): ``"tiny"``
+            the largest step exact Adam can take (:mod:`commopt.optim.adam`): ``"tiny"``
             (default) on the elements whose v is below 1 % of their tensor's mean v, ``True``
             on every element, ``False`` never (the paper's step)."""
 COMM_OPTIONS_DOC = _tail_dedented(COMM_OPTIONS_DOC)
@@ -138,12 +170,12 @@ def configured_by(config_type: type) -> Callable[[T], T]:
 
 
 def _read_through(name: str) -> property:
-    def read(opt: Any) -> Any:
-        return getattr(opt.config, name)
+    def read(self: Any) -> Any:
+        return getattr(self.config, name)
 
-    def refuse(opt: Any, value: Any) -> None:
+    def refuse(self: Any, value: Any) -> None:
         raise AttributeError(
-            f"{name} is part of {type(opt).__name__}.config (frozen): construct the optimizer "
+            f"{name} is part of {type(self).__name__}.config (frozen): construct the optimizer "
             f"with {name}=..., or resume with load_state_dict(..., allow_config_change=True)"
         )
 
@@ -281,7 +313,7 @@ class CommOptions:
     step_guard: StepGuard = "tiny"
     """Clamp steps |m/(√v+ε)| against a frozen variance to Adam's bound B(β1, β2): ``"tiny"``
     on the elements whose v is < 1 % of their tensor's mean v, ``True`` on every element,
-    ``False`` never (:mod:`commopt.optim.step_guard`)."""
+    ``False`` never (:mod:`commopt.optim.adam`)."""
 
     def __post_init__(self) -> None:
         check_choice("topology", self.topology, TOPOLOGIES)
@@ -438,3 +470,106 @@ def check_config_change(saved: dict[str, Any], current: Any, owner: str, allow: 
             "ones"
         )
     warn_at_caller(f"{owner}: resuming under a changed config: {'; '.join(changed)}")
+
+
+#: torch.optim.Adam's options that commopt's optimizers do not have, and why
+_TORCH_ONLY = {
+    "maximize": "negate the loss instead",
+    "amsgrad": "the frozen variance is what 1-bit and 0/1 Adam compress against",
+    "capturable": "no CUDA-graph capture of a step that communicates",
+    "differentiable": "no autograd through the step",
+    "fused": "commopt's own flat kernels run the step",
+}
+
+
+def check_param_group(
+    group: dict[str, Any], name: str, config: Any, defaults: dict[str, Any]
+) -> None:
+    """Refuse what the flat fp32 state cannot represent, naming the way out."""
+    for key in dataclasses.asdict(config):
+        if key in group and key not in defaults:
+            raise ValueError(
+                f"{key} is one setting for the whole {name} (its config), "
+                f"not per param group; pass {key}= to the constructor"
+            )
+    for key in ("lr", "eps", "weight_decay"):
+        if key in group:
+            check_number(f"{key} in a param group", group[key])
+    for i, beta in enumerate(group.get("betas", ())):
+        check_number(f"betas[{i}] in a param group", beta)
+    for key, why in _TORCH_ONLY.items():
+        if group.get(key):
+            raise ValueError(
+                f"{key}={group[key]!r} in a param group: {name} has no {key} ({why}); "
+                "remove it (the constructor refuses it too)"
+            )
+    for p in group["params"]:
+        if p.is_complex():
+            raise TypeError(
+                f"{name} does not support complex parameters (got {p.dtype}): "
+                "the 1-bit code has no phase; optimize torch.view_as_real(p) instead"
+            )
+        if p.dtype == torch.float64:
+            raise TypeError(
+                f"{name} keeps fp32 state and communicates fp32, so a float64 "
+                "parameter would silently lose precision; convert the model with "
+                ".float() (or use torch.optim.Adam for float64)"
+            )
+        if p.device.type == "meta":
+            raise ValueError(
+                f"{name} got a parameter on the meta device (shape "
+                f"{tuple(p.shape)}): materialise the model (e.g. model.to_empty(device=...) "
+                "and load its weights) before creating the optimizer"
+            )
+    mask = group.get("exp_avg_mask")
+    if mask is None:
+        return
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"exp_avg_mask must be a tensor, got {type(mask).__name__}")
+    for p in group["params"]:
+        try:
+            torch.broadcast_shapes(mask.shape, p.shape)
+        except RuntimeError:
+            raise ValueError(
+                f"exp_avg_mask of shape {tuple(mask.shape)} does not broadcast to a parameter "
+                f"of shape {tuple(p.shape)} in its group"
+            ) from None
+
+
+def check_overlap_arguments(
+    overlap: bool, bucket_numel: int | None, default: int | None
+) -> int | None:
+    """The constructors' ``overlap`` and ``bucket_numel``, checked; the bucket size to use
+    (``default``, the class's, when ``bucket_numel`` is None)."""
+    if not isinstance(overlap, bool):
+        raise TypeError(f"overlap must be True or False, got {overlap!r}")
+    if bucket_numel is None:
+        return default
+    if isinstance(bucket_numel, bool) or not isinstance(bucket_numel, int):
+        raise TypeError(f"bucket_numel must be an int, got {type(bucket_numel).__name__}")
+    if bucket_numel < 1:
+        raise ValueError(f"Invalid bucket_numel: {bucket_numel} (must be >= 1)")
+    return bucket_numel
+
+
+def check_group_joins_phase_a(step: int, frozen: float | None) -> None:
+    """0/1 Adam: parameters may join in phase A only (``frozen``: T_v, None while the
+    constructor adds its groups): after it v is frozen, and new parameters would never get one."""
+    if frozen is not None and step > frozen:
+        raise ValueError(
+            f"ZeroOneAdam cannot add a param group at step {step}, after var_freeze_step = "
+            f"{frozen}: the variance is frozen and new parameters would "
+            "never get one. Add the group before the freeze, or give its parameters an "
+            "optimizer of their own"
+        )
+
+
+def check_no_scaler_after_early_work(name: str, started_early: bool) -> None:
+    """A GradScaler's scale with early work (the DDP hook, ``overlap=True``) that already used
+    the gradients during backward, before the scaler could unscale them: refused."""
+    if started_early:
+        raise RuntimeError(
+            f"{name}: a DDP hook or overlap=True used the gradients during backward, before "
+            "GradScaler could unscale them; with the commopt DDP hook or overlap, use bf16 "
+            "autocast (no GradScaler) or a static loss scale folded into lr"
+        )

@@ -233,7 +233,7 @@ class FlatState:
     def guard_denominator_base(self, d: torch.Tensor) -> torch.Tensor:
         """A bucket-sized buffer that equals the denominator ``d`` (the one :meth:`denominator`
         returned last) except where the step guard writes: the guard then only rewrites its
-        elements (:func:`commopt.optim.step_guard.guarded_denominator` with ``copy=False``).
+        elements (:func:`commopt.optim.adam.guarded_denominator` with ``copy=False``).
 
         On CPU it is kept and refilled from d only when d was rebuilt (v, b or ε changed), so
         the compression stage does not copy the whole bucket every step; the guard's elements

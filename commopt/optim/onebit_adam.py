@@ -10,9 +10,10 @@ from torch.optim.optimizer import ParamsT
 
 from commopt.choices import ErrorFeedback, StepGuard, Topology
 from commopt.comm import Backend
-from commopt.optim._adam import (
+from commopt.optim.adam import (
     guarded_adam_update_,
     momentum_from_grads_,
+    step_bound,
     update_moments_,
     variance_level_of,
 )
@@ -26,7 +27,6 @@ from commopt.optim.config import (
 from commopt.optim.early import Kind, WarmupThenMomentum
 from commopt.optim.flat_state import FlatState
 from commopt.optim.freeze import AutoFreezeSettings, auto_settings
-from commopt.optim.step_guard import step_bound
 
 __all__ = ["OnebitAdam"]
 
@@ -184,7 +184,7 @@ class OnebitAdam(CompressedOptimizer):
     def _apply_update(self, state: FlatState, t: int, freeze_step: float) -> None:
         """p ← p − η·(m̂/(√v̂ + ε) + λ·p), group by group, with v̂'s bias factor frozen too;
         with ``step_guard``, in the compression stage |m̂/(√v̂ + ε)| ≤ B(β1, β2) (on the
-        elements :func:`~commopt.optim.step_guard.guarded_elements` names)."""
+        elements :func:`~commopt.optim.adam.guarded_elements` names)."""
         variance_t = min(t, freeze_step)
         bias_sqrt, step_sizes, eps, limits = [], [], [], []
         for _, group in self.segments(state):

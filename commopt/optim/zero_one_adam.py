@@ -9,17 +9,9 @@ from torch.optim.optimizer import ParamsT
 from commopt.choices import ErrorFeedback, StepGuard, Topology
 from commopt.comm import Backend
 from commopt.compressed import NonFiniteError
-from commopt.optim._adam import (
-    momentum_from_grads_,
-    momentum_step_sizes,
-    update_moments_,
-    variance_level_of,
-    variance_updates,
-)
+from commopt.notices import sync_point_not_finite, warn_sync_diverged
 from commopt.optim._agreement import nonfinite_ranks
-from commopt.optim._checks import check_group_joins_phase_a
-from commopt.optim._resume import upgrade_zero_one_groups
-from commopt.optim._warnings import sync_point_not_finite, warn_sync_diverged
+from commopt.optim._layout import upgrade_zero_one_groups
 from commopt.optim._zero_one import (
     StagedSync,
     ZeroOneSchedule,
@@ -27,11 +19,19 @@ from commopt.optim._zero_one import (
     local_update_,
     sync_bucket_,
 )
+from commopt.optim.adam import (
+    momentum_from_grads_,
+    momentum_step_sizes,
+    update_moments_,
+    variance_level_of,
+    variance_updates,
+)
 from commopt.optim.base import BucketOps, CompressedOptimizer, StepContext
 from commopt.optim.config import (
     DEFAULT_FREEZE_STEP,
     ZeroOneAdamConfig,
     check_adam_arguments,
+    check_group_joins_phase_a,
     configured_by,
 )
 from commopt.optim.early import Kind

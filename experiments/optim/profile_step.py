@@ -50,7 +50,7 @@ _SHAPES = [(4096, 1024), (4096,), (4096, 4096), (4096,), (1024, 4096), (1024,)]
 #: (row label, the function whose inclusive time it is), in the order printed
 PHASES = [
     ("agree (finite check)", "commopt.optim._agreement.GradientAgreement.verdict"),
-    ("momentum fold", "commopt.optim._adam.momentum_from_grads_"),
+    ("momentum fold", "commopt.optim.adam.momentum_from_grads_"),
     ("exchange (total)", "commopt.optim._communication.Communication.compress"),
     ("  kernel: worker scale", "commopt.kernels.numba_kernels.NumbaKernels.scale"),
     ("  kernel: worker pack", "commopt.kernels.numba_kernels.NumbaKernels.pack_compensated_"),
@@ -62,8 +62,8 @@ PHASES = [
     ("mask", "commopt.optim.base.BucketOps.mask"),
     ("update (total)", "commopt.optim.onebit_adam.OnebitAdam._apply_update"),
     ("  denominator", "commopt.optim.flat_state.FlatState.denominator"),
-    ("  step guard + addcdiv", "commopt.optim._adam.guarded_adam_update_"),
-    ("    step guard: its elements", "commopt.optim.step_guard.guarded_elements"),
+    ("  step guard + addcdiv", "commopt.optim.adam.guarded_adam_update_"),
+    ("    step guard: its elements", "commopt.optim.adam.guarded_elements"),
 ]
 
 

@@ -298,7 +298,9 @@ def test_state_names_sizes_and_checkpoint_name():
 
 def test_invalid_arguments_say_what_to_do():
     be = SingleProcessBackend()
-    with pytest.raises(ValueError, match="Invalid feedback: 'ef21' \\(choose one of 'classic', 'econ"):
+    with pytest.raises(
+        ValueError, match="Invalid feedback: 'ef21' \\(choose one of 'classic', 'econ"
+    ):
         FlatExchange(be, "ef21")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"Invalid eta: -0\.1 \(must be >= 0\)"):
         FlatExchange(be, "econtrol", -0.1)

@@ -1,6 +1,10 @@
-"""The package's shape, as issue 24 set it: no import circle (``TYPE_CHECKING`` and imports inside
-functions included), no module over 400 lines, and no module that reads another object's
-private members. Read from the source with ``ast``: nothing is imported."""
+"""The package's shape: no import circle (``TYPE_CHECKING`` and imports inside functions
+included), no module over 600 lines, no module that reads another object's private members
+(issue 24); and the optimizer's spine (issue 39): optim/ in at most 16 modules, a base with no
+mixin and no attribute hooks, subclasses that call none of its protected helpers, and no
+function that takes the optimizer except the integration points. Read from the source with
+``ast`` (the base's class is imported once, to read its bases; the optimizers come from the
+registry)."""
 
 from __future__ import annotations
 
@@ -9,11 +13,15 @@ import pathlib
 
 import pytest
 
+from tests.optim_registry import BY_NAME, OPTIMIZERS
+
 ROOT = pathlib.Path(__file__).resolve().parents[2] / "commopt"
 
 #: the longest modules (an optimizer with its paper's docstring, the base class, the early
-#: work) are just under it
-MAX_LINES = 400
+#: work) stay under it with room: split by idea, not by a count
+MAX_LINES = 600
+#: optim/ with early/, __init__ files included (one module per idea)
+MAX_OPTIM_MODULES = 16
 
 #: private attributes of other libraries' objects that commopt reads on purpose
 FOREIGN_PRIVATES = {
@@ -142,7 +150,7 @@ NOT_COMMOPTS = {
 
 
 def _private_imports(path: pathlib.Path) -> list[str]:
-    """Imports of a private commopt module or name (``commopt.optim._adam``, ``_agree``)."""
+    """Imports of a private commopt module or name (``commopt.optim._layout``, ``_agree``)."""
     found = []
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("commopt"):
@@ -171,10 +179,126 @@ def test_experiments_and_examples_use_only_public_names() -> None:
 def test_the_private_import_checker_finds_them(tmp_path: pathlib.Path) -> None:
     path = tmp_path / "m.py"
     path.write_text(
-        "import commopt.optim._adam\nfrom commopt.compressed import _agree, compression_bytes\n"
+        "import commopt.optim._layout\nfrom commopt.compressed import _agree, compression_bytes\n"
         "from commopt import OnebitAdam\nimport torch._C\n"
     )
     assert _private_imports(path) == [
-        "m.py:1: import commopt.optim._adam",
+        "m.py:1: import commopt.optim._layout",
         "m.py:2: from commopt.compressed import _agree, compression_bytes",
     ]
+
+
+def test_optim_has_at_most_16_modules() -> None:
+    modules = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "optim").rglob("*.py"))
+    assert len(modules) <= MAX_OPTIM_MODULES, modules
+
+
+def test_the_base_has_no_mixin_and_no_attribute_hooks() -> None:
+    import torch
+
+    from commopt.optim.base import CompressedOptimizer
+
+    assert CompressedOptimizer.__bases__ == (torch.optim.Optimizer,)
+    for cls in (info.cls for info in OPTIMIZERS):
+        mine = [k for k in cls.__mro__ if k.__module__.startswith("commopt")]
+        assert [k for k in mine if "__getattr__" in vars(k) or "__setattr__" in vars(k)] == []
+
+
+#: what a subclass defines for the base to call (the hooks) or to read (the class knobs)
+HOOKS = {"_step", "_early_plan", "_communicates", "_skip_local"}
+
+
+def _base_privates() -> set[str]:
+    """The protected names the base class defines: its methods and its ``self._x``."""
+    tree = ast.parse((ROOT / "optim" / "base.py").read_text())
+    (base,) = [
+        n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "CompressedOptimizer"
+    ]
+    names = {n.name for n in base.body if isinstance(n, ast.FunctionDef)}
+    for node in ast.walk(base):
+        if isinstance(node, ast.Attribute) and ast.unparse(node.value) == "self":
+            names.add(node.attr)
+    return {n for n in names if n.startswith("_") and not n.startswith("__")} - HOOKS
+
+
+def _uses_of(path: pathlib.Path, names: set[str]) -> list[str]:
+    """``self._x`` in a subclass's module for a protected ``_x`` of the base, unless the module
+    defines ``_x`` itself (a method or an attribute it assigns)."""
+    tree = ast.parse(path.read_text())
+    own = {n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
+    own |= {
+        t.attr
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Assign)
+        for t in n.targets
+        if isinstance(t, ast.Attribute) and ast.unparse(t.value) == "self"
+    }
+    own |= {
+        t.id
+        for c in ast.walk(tree)
+        if isinstance(c, ast.ClassDef)
+        for n in c.body
+        if isinstance(n, (ast.Assign, ast.AnnAssign))
+        for t in (n.targets if isinstance(n, ast.Assign) else [n.target])
+        if isinstance(t, ast.Name)
+    }
+    return [
+        f"{path.name}:{n.lineno}: self.{n.attr}"
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Attribute)
+        and ast.unparse(n.value) == "self"
+        and n.attr in names
+        and n.attr not in own
+    ]
+
+
+@pytest.mark.parametrize("module", [info.cls.__module__.split(".")[-1] for info in OPTIMIZERS])
+def test_no_subclass_calls_a_protected_helper_of_the_base(module: str) -> None:
+    privates = _base_privates()
+    assert {"_comm", "_layout", "_freeze", "_early"} <= privates  # (the checker sees them)
+    assert _uses_of(ROOT / "optim" / f"{module}.py", privates) == []
+
+
+def test_the_helper_checker_finds_one(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "m.py"
+    path.write_text(
+        "class A:\n    def f(self):\n        self._comm.x(); self._own = 1; self._own\n"
+    )
+    assert _uses_of(path, {"_comm", "_own"}) == ["m.py:3: self._comm"]
+
+
+#: the public integration points, which take a user's optimizer by design (the issue's list,
+#: plus the DeepSpeed config export and the monitor, whose hook has torch's signature)
+TAKES_THE_OPTIMIZER = {"ddp.py", "lightning.py", "checkpoint", "deepspeed_compat.py", "monitor.py"}
+_OPTIMIZERS = {"CompressedOptimizer", "DiLoCo", *BY_NAME}
+
+
+def _takes_the_optimizer(path: pathlib.Path) -> list[str]:
+    """Functions with a parameter named ``opt``/``optimizer`` or annotated as one of commopt's
+    optimizers (DiLoCo's constructor takes the user's *inner* optimizer, which it wraps)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        for arg in node.args.args + node.args.kwonlyargs + node.args.posonlyargs:
+            note = ast.unparse(arg.annotation) if arg.annotation is not None else ""
+            if arg.arg in ("opt", "optimizer") or note.split(".")[-1] in _OPTIMIZERS:
+                found.append(f"{path.name}:{node.lineno}: {node.name}({arg.arg})")
+    return found
+
+
+def test_no_function_takes_the_optimizer_except_the_integration_points() -> None:
+    paths = [
+        p
+        for p in ROOT.rglob("*.py")
+        if p.name not in TAKES_THE_OPTIMIZER
+        and p.relative_to(ROOT).parts[0] not in TAKES_THE_OPTIMIZER
+    ]
+    found = [hit for path in paths for hit in _takes_the_optimizer(path)]
+    assert found == []
+
+
+def test_the_optimizer_argument_checker_finds_one(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "m.py"
+    path.write_text("def f(x, o: CompressedOptimizer): ...\ndef g(opt): ...\ndef h(self): ...\n")
+    assert _takes_the_optimizer(path) == ["m.py:1: f(o)", "m.py:2: g(opt)"]

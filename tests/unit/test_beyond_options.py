@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import commopt
+from commopt.optim.adam import adam_step_bound
 from commopt.optim.freeze import AutoFreeze, VarianceLevel, settled_step
-from commopt.optim.step_guard import adam_step_bound
 from tests.optim_registry import BY_NAME
 
 SINGLE = commopt.SingleProcessBackend()

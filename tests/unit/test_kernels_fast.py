@@ -163,7 +163,7 @@ def test_fast_kernels_match_reference(size, n, seed, spread):
     bound=st.sampled_from([1e-30, 0.37, 1.0, 7.2703, 1e30, 3.0e38]),
 )
 def test_guard_denominator_matches_reference(size, seed, spread, bound):
-    """The step guard's gather-max-scatter (commopt.optim.step_guard): the same bits as the torch
+    """The step guard's gather-max-scatter (commopt.optim.adam): the same bits as the torch
     reference on the indexed elements, NaN and inf included, and nothing written elsewhere."""
     rng = np.random.default_rng(seed)
     m, d = values(rng, size, spread), np.abs(values(rng, size, spread))

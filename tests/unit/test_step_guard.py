@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from commopt.optim.step_guard import adam_step_bound, bound_step_
+from commopt.optim.adam import adam_step_bound, bound_step_
 
 BETAS = [(0.9, 0.999), (0.9, 0.99), (0.9, 0.96), (0.5, 0.3), (0.0, 0.9)]
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import commopt
-from commopt.optim.step_guard import TINY_VARIANCE, adam_step_bound
+from commopt.optim.adam import TINY_VARIANCE, adam_step_bound
 from tests.optim_registry import BY_NAME
 
 SINGLE = commopt.SingleProcessBackend()

@@ -16,12 +16,12 @@ import torch
 
 import commopt
 from commopt import ZeroOneAdam
-from commopt.optim._adam import (
+from commopt.optim._zero_one import ZeroOneSchedule, frozen_denominator
+from commopt.optim.adam import (
     variance_bias_sqrt,
     variance_steps_through,
     variance_updates,
 )
-from commopt.optim._zero_one import ZeroOneSchedule, frozen_denominator
 from tests.unit.test_zero_one_adam import spec_schedule
 
 SINGLE = commopt.SingleProcessBackend()

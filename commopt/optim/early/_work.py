@@ -1,9 +1,43 @@
-"""The staged early work of one optimizer (overview: :mod:`commopt.optim.early`)."""
+"""The staged early work of one optimizer (overview: :mod:`commopt.optim.early`).
+
+**What it read** (:class:`EarlyReads`): what ``overlap=True``'s early work read during backward,
+so that ``step()`` can tell whether it still holds (docs/overlap.md, "Changing gradients or β1
+after backward").
+
+The early work consumes each gradient as soon as backward produces it, and β1 with it. Between
+backward and ``step()`` a program may clip or unscale ``p.grad`` in place, replace it, or let a
+scheduler change β1. A gradient tensor's ``_version`` moves with every in-place write, so
+keeping (tensor, version) per parameter and the groups' β1 is enough to tell.
+
+Under the DDP hook the work reads DDP's bucket, not ``p.grad``; DDP copies the bucket into
+``p.grad`` only when backward ends. So the hook marks the parameter (:meth:`EarlyReads.expect`)
+and :meth:`EarlyReads.after_backward` records ``p.grad`` and its version once DDP has written
+it (:func:`after_ddp_backward`).
+
+**Gradient hooks**: a bucket's communication runs during backward, on a communication thread.
+
+As soon as a parameter's gradient is accumulated (``Tensor.register_post_accumulate_grad_hook``)
+its part of the step's early work starts on the main thread: the gradient is copied into the
+warmup's staged gradient, or folded into a staged momentum (:class:`EarlyWork`, shared with the
+DDP hook). Once an optimizer bucket is complete, its collective work — the warmup's
+full-precision average, or the compression stage's 1-bit exchange — is queued on the optimizer's
+:class:`~commopt.optim.early._thread.CommThread`, which runs it while backward goes on. The
+thread runs buckets strictly in the *exchange order* (reverse layout order at first, since
+gradients become ready from the last layer back; from the second step on, the order in which
+rank 0 saw them complete at the first step), so every rank issues the same collectives in the
+same order. ``step()`` first drains the thread (raising any error of its jobs), then agrees on
+the gradients and commits the staged work, or drops it if the step is skipped.
+
+The hooks own their handles and two switches; the staged work belongs to the optimizer's
+:class:`EarlyWork`, which they reach through the getter they are
+given (a loaded state dict builds the early work anew).
+"""
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -12,17 +46,15 @@ import torch
 from commopt.comm import all_reduce_async
 from commopt.comm.handoff import device_future
 from commopt.compressed import NonFiniteError
-from commopt.optim.early._order import ExchangeSchedule
-from commopt.optim.early._plan import EarlyPlan, Kind
-from commopt.optim.early._reads import EarlyReads
-from commopt.optim.early._staged import StagedBuffers, StagedWork, fold_param_
+from commopt.optim.early import EarlyPlan, Kind, StagedBuffers, StagedWork, fold_param_
+from commopt.optim.early._thread import ExchangeSchedule
 from commopt.optim.flat_state import FlatState
 
 if TYPE_CHECKING:
     from commopt.optim._communication import Communication
     from commopt.optim.early._thread import CommThread
 
-__all__ = ["EarlyWork"]
+__all__ = ["EarlyReads", "EarlyWork", "GradientHooks", "after_ddp_backward"]
 
 
 class EarlyWork:
@@ -398,3 +430,115 @@ class EarlyWork:
         self._staged.clear()
         self.reads.clear()
         self.mismatch = None
+
+
+def after_ddp_backward(fn: Callable[[], None]) -> None:
+    """Run ``fn`` at the end of the current backward pass, after DDP has written ``p.grad``.
+
+    Called during backward (from a DDP communication hook). DDP queues its
+    ``finalize_backward`` on the autograd engine while backward runs; a callback queued then
+    runs before it, but one queued *by* such a callback runs after every callback queued during
+    backward, DDP's included.
+    """
+    engine = torch.autograd.Variable._execution_engine  # type: ignore[attr-defined]
+    engine.queue_callback(lambda: engine.queue_callback(fn))
+
+
+class EarlyReads:
+    """The gradients (tensor and version) and β1 values one step's early work read."""
+
+    def __init__(self) -> None:
+        self._grads: dict[int, tuple[torch.Tensor, int]] = {}  # id(param) → (grad, version)
+        self._betas: tuple[float, ...] = ()
+        self._step = 0
+        self._expected: list[torch.Tensor] = []  # DDP hook: p.grad not written yet
+
+    def note(
+        self, p: torch.Tensor, g: torch.Tensor, step: int, groups: Sequence[dict[str, Any]]
+    ) -> None:
+        """The work of step ``step`` read ``g`` as ``p``'s gradient (β1 is taken at the first
+        read of the step)."""
+        self._begin(step, groups)
+        self._grads[id(p)] = (g, g._version)
+
+    def expect(self, p: torch.Tensor, step: int, groups: Sequence[dict[str, Any]]) -> None:
+        """The DDP hook folded ``p``'s gradient for step ``step``; its ``p.grad`` is recorded
+        at the end of backward (:meth:`after_backward`)."""
+        self._begin(step, groups)
+        if not self._expected:
+            after_ddp_backward(self.after_backward)
+        self._expected.append(p)
+
+    def _begin(self, step: int, groups: Sequence[dict[str, Any]]) -> None:
+        """A read for step ``step``: the first of the step forgets the previous step's reads
+        and takes the groups' β1."""
+        if self._step != step:
+            self.clear()
+            self._step = step
+            self._betas = tuple(group["betas"][0] for group in groups)
+
+    def after_backward(self) -> None:
+        """Record ``p.grad`` and its version for every parameter :meth:`expect` named."""
+        for p in self._expected:
+            if p.grad is not None:
+                self._grads[id(p)] = (p.grad, p.grad._version)
+        self._expected.clear()
+
+    def stale(self, step: int, groups: Sequence[dict[str, Any]]) -> str | None:
+        """Why what step ``step``'s work read no longer holds on this rank, or None."""
+        if self._step != step or not self._grads:
+            return None
+        betas = tuple(group["betas"][0] for group in groups)
+        if betas[: len(self._betas)] != self._betas:
+            return "a param group's beta1 changed after backward"
+        params = {id(p): p for group in groups for p in group["params"]}
+        for key, (g, version) in self._grads.items():
+            p = params.get(key)
+            if p is None or p.grad is not g or g._version != version:
+                return "a gradient changed after backward (e.g. clip_grad_norm_)"
+        return None
+
+    def clear(self) -> None:
+        self._grads.clear()
+        self._expected.clear()
+
+
+class GradientHooks:
+    """The per-parameter gradient hooks of one optimizer (``overlap=True``)."""
+
+    def __init__(self, work: Callable[[], EarlyWork]) -> None:
+        self._work = work
+        #: hooks were requested (``overlap=True``)
+        self.enabled = False
+        #: inside ``no_sync()``: a backward pass starts nothing
+        self.paused = False
+        self._handles: list[Any] = []
+
+    def enable(self, params: Sequence[torch.Tensor]) -> None:
+        self.enabled = True
+        self.attach(params)
+
+    def attach(self, params: Sequence[torch.Tensor]) -> None:
+        # The parameters outlive an optimizer often enough (a new optimizer per phase): the hook
+        # holds it weakly, so a dropped optimizer is collected and its thread stopped.
+        ref = weakref.WeakMethod(self._ready)
+
+        def ready(p: torch.Tensor) -> None:
+            method = ref()
+            if method is not None:
+                method(p)
+
+        for p in params:
+            if p.requires_grad:
+                self._handles.append(p.register_post_accumulate_grad_hook(ready))
+
+    @torch.no_grad()
+    def _ready(self, p: torch.Tensor) -> None:
+        if self.paused or p.grad is None or p.grad.is_sparse:
+            return
+        work = self._work()
+        kind = work.plan([p])[0]
+        if kind == Kind.AVERAGE and work.locate(p) is not None:
+            work.average([p], [p.grad], last=False, threaded=True)
+        elif kind in (Kind.MOMENTUM, Kind.GRADIENT, Kind.SYNC):
+            work.fold([p], [p.grad], threaded=True)

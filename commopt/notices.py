@@ -1,4 +1,5 @@
-"""Warnings that point at the user's line (their ``step()`` call), not at commopt or torch."""
+"""What commopt tells the user: warnings that point at the user's line (their ``step()``
+call), not at commopt or torch, and the notices of a step skipped, redone or compressing."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ __all__ = [
 
 _INTERNAL_DIRS = tuple(
     str(path) + os.sep
-    for path in (Path(__file__).resolve().parents[1], Path(torch.__file__).resolve().parent)
+    for path in (Path(__file__).resolve().parent, Path(torch.__file__).resolve().parent)
 )
 
 

@@ -1,4 +1,5 @@
-r"""The Adam arithmetic the three optimizers share, as free functions on tensors.
+"""The Adam arithmetic the three optimizers share, as free functions on tensors: the moments,
+the update and the bound its guard keeps it to, and fp32 master weights.
 
 No optimizer, bucket or backend in sight: each function is one line of the papers, applied to
 flat slices or lists of views, in place, with torch.optim.Adam's exact operations (``lerp`` for
@@ -6,7 +7,7 @@ the momentum, one ``addcdiv`` for the update) so that results match it bit for b
 
 - **Moments**: :func:`update_moments_`, :func:`momentum_from_grads_`.
 - **The update**: :func:`adam_update_`, and :func:`guarded_adam_update_`, the one guarded update
-  of 1-bit and 0/1 Adam (the step guard of :mod:`commopt.optim.step_guard`). The denominator
+  of 1-bit and 0/1 Adam (the step guard, below). The denominator
   √v̂ + ε is :meth:`FlatState.denominator <commopt.optim.flat_state.FlatState.denominator>`,
   kept while v does not change.
 - **Masks**: what a compressed exchange hands back is masked: the user's ``exp_avg_mask``
@@ -24,35 +25,87 @@ the momentum, one ``addcdiv`` for the update) so that results match it bit for b
   alone, hence identical on every rank with no message, and needs no state of its own: I_v =
   2^j after j·S variance steps (S = ``var_update_scaler``), so the updates so far are j·S +
   ``var_counter``. A param group added later counts from the update count when it joined.
+
+**The step guard**: a bound on the per-element Adam step, for elements whose variance is tiny
+but not zero.
+
+After a 1-bit exchange every element receives ±scale, the scale of its whole bucket: the code has
+no zero and no per-element magnitude. An element whose variance v is tiny (a byte seen once on a
+variance step, a nearly dead ReLU unit) then steps by lr·scale/(√v + ε), which can be 10⁴ times
+any step exact Adam would take (docs/algorithms/zero_one_adam.md measured it; the 0/1 Adam demo
+went to NaN at β2 = 0.999 this way). The zero-variance guard (SPEC §8: elements with v == 0 do not
+move) does not reach these elements.
+
+The guard here bounds the step by the largest step exact Adam can take at all. With uncorrected
+moments m_t = (1−β1)·Σ_k β1^k g_{t−k} and v_t = (1−β2)·Σ_k β2^k g²_{t−k}, Cauchy–Schwarz gives,
+for every gradient sequence and every t (the proof is in docs/algorithms/step_guard.md),
+
+    |m_t| / √v_t  ≤  B(β1, β2) = (1 − β1) / √((1 − β2)·(1 − β1²/β2))      (β1² < β2)
+
+so u = m/(√v + ε) is clamped to [−B, B] elementwise. Wherever exact Adam could have produced the
+step, the guard changes nothing, bit for bit; it only cuts steps that no Adam trajectory could
+take, so it needs no tuning and is independent of the gradients' scale (unlike a larger ε). With
+bias correction (1-bit Adam) the bound is the supremum over t of the same estimate times
+√(1 − β2^t)/(1 − β1^t).
+
+Which elements are clamped (``step_guard=`` on the optimizers):
+
+- ``"tiny"`` (the default): only elements whose v is below ``TINY_VARIANCE`` (1 %) of the mean v of
+  their own parameter tensor. Those are the elements a 1-bit exchange can blow up (its code gives
+  them the bucket's magnitude); every other element keeps its step bit for bit, so the guard
+  costs nothing where v is ordinary, even when the compressed momentum exceeds B there (which it
+  does at small β2: B(0.9, 0.96) = 1.26, and clamping every element cost 0.7–1.1 % on the demo).
+- ``True``: every element (the first version of this guard).
+- ``False``: off (the papers' step).
+
+It is an intended difference from the papers and from DeepSpeed, which apply m/(√v + ε) as is.
+
+Mixed precision: fp32 master weights for bf16/fp16 parameters, and GradScaler's unscale.
+
+The algorithms always run in fp32. For a bf16/fp16 parameter the fp32 value it is computed
+from is a flat ``"master"`` buffer of its bucket (saved in ``state_dict()`` like any state, so a
+resumed run continues from the unrounded weights); the parameter itself is its rounding.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import functools
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, MutableMapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from commopt.buckets import Bucket, Segment
 from commopt.choices import StepGuard
-from commopt.optim._warnings import warn_at_caller
+from commopt.kernels import get_kernels
+from commopt.notices import warn_at_caller
 from commopt.optim.flat_state import FlatState
 from commopt.optim.freeze import VarianceLevel, variance_level
-from commopt.optim.step_guard import guarded_denominator, guarded_elements, step_bound
 
 if TYPE_CHECKING:
     from commopt.buckets import Segment
     from commopt.optim.flat_state import FlatState
 
 __all__ = [
+    "TINY_VARIANCE",
     "ZeroVarianceGuard",
+    "adam_step_bound",
     "adam_update_",
     "apply_exp_avg_mask_",
+    "bound_step_",
     "guard_limits",
     "guarded_adam_update_",
+    "guarded_denominator",
+    "guarded_elements",
+    "master_weights",
     "momentum_from_grads_",
     "momentum_step_size",
     "momentum_step_sizes",
+    "step_bound",
+    "unscale_grads_",
     "update_moments_",
     "variance_bias_sqrt",
     "variance_denominator",
@@ -60,6 +113,126 @@ __all__ = [
     "variance_steps_through",
     "variance_updates",
 ]
+
+
+TINY_VARIANCE = 1e-2
+"""``"tiny"`` clamps the elements whose v < TINY_VARIANCE · mean(v) of their tensor. An element at
+the threshold, with a momentum of the bucket's typical size (≈ √mean(v)), steps by ≈ 10, so the
+clamp at B (7.27 at the papers' betas) can only bind below it; above it, nothing changes."""
+
+
+@functools.lru_cache(maxsize=64)  # a pure function of the betas; the scan takes ~25 ms
+def adam_step_bound(beta1: float, beta2: float, bias_correction: bool = False) -> float:
+    r"""B: the largest |m/√v| (|m̂/√v̂| with ``bias_correction``) exact Adam can reach.
+
+    Kept per (β1, β2, bias_correction): with bias correction it scans t until β2^t < 1e-12,
+    ≈ 27,600 terms (24 ms) at β2 = 0.999, which every compression step would otherwise pay per
+    guarded segment.
+
+    ``math.inf`` when β1² ≥ β2: then no such bound exists (a gradient growing like (β1/β2)^−k
+    makes the ratio grow without limit) and the guard is off.
+
+    Args:
+        beta1, beta2: the optimizer's betas, in [0, 1).
+        bias_correction: whether the step uses m̂ = m/(1−β1^t) and v̂ = v/(1−β2^t).
+    """
+    if not 0.0 <= beta1 < 1.0 or not 0.0 <= beta2 < 1.0:
+        raise ValueError(f"Invalid betas: ({beta1}, {beta2}) (each must be in [0, 1))")
+    if beta2 == 0.0 or beta1 * beta1 >= beta2:
+        return math.inf if beta1 > 0.0 or beta2 > 0.0 else 1.0
+    q = beta1 * beta1 / beta2
+    limit = (1.0 - beta1) / math.sqrt((1.0 - beta2) * (1.0 - q))
+    if not bias_correction:
+        return limit
+    # B_t = (1−β1)/√(1−β2)·√((1 − q^t)/(1 − q))·√(1 − β2^t)/(1 − β1^t); every factor but the
+    # last two tends to its limit, and they tend to 1: scan t until both have settled.
+    best, t = 0.0, 1
+    while True:
+        b_t = (
+            (1.0 - beta1)
+            / math.sqrt(1.0 - beta2)
+            * math.sqrt((1.0 - q**t) / (1.0 - q))
+            * math.sqrt(1.0 - beta2**t)
+            / (1.0 - beta1**t)
+        )
+        best = max(best, b_t)
+        if beta2**t < 1e-12 and beta1**t < 1e-12:
+            return max(best, limit)
+        t += 1
+
+
+def bound_step_(
+    update: torch.Tensor, bound: float, where: torch.Tensor | slice | None = None
+) -> torch.Tensor:
+    """update ← clamp(update, −bound, bound) in place; returns ``update``.
+
+    Elements inside the bound keep every bit; ``bound = inf`` changes nothing (and costs no
+    pass). NaN stays NaN (the optimizers' finiteness checks see it). ``where`` (1-D indices into
+    ``update``): clamp only those elements, leave the others untouched.
+    """
+    if not bound > 0.0:
+        raise ValueError(f"Invalid bound: {bound} (must be > 0)")
+    if math.isinf(bound):
+        return update
+    # the bound as the largest value of update's dtype not above it (fp32 rounds 7.2703 up)
+    b = torch.tensor(bound, dtype=update.dtype)
+    if float(b) > bound:
+        b = torch.nextafter(b, torch.zeros_like(b))
+    if where is None or isinstance(where, slice):
+        return update.clamp_(-float(b), float(b))
+    update[where] = update[where].clamp_(-float(b), float(b))
+    return update
+
+
+def guarded_denominator(
+    out: torch.Tensor,
+    m: torch.Tensor,
+    d: torch.Tensor,
+    bound: float,
+    where: torch.Tensor | slice,
+    *,
+    copy: bool = True,
+) -> torch.Tensor:
+    """out = d, except out[where] = max(d, |m|/bound) there: then |m/out| ≤ bound (to within an
+    ulp) where the guard acts, and ``addcdiv(m, out)`` gives every other element exactly the bits
+    of ``addcdiv(m, d)`` (clamping m/d and dividing by 1 would round differently). Returns out.
+
+    ``copy=False``: out already equals d outside ``where`` (a kept buffer,
+    :meth:`~commopt.optim.flat_state.FlatState.guard_denominator_base`); only ``where`` is
+    written, which saves a pass over the bucket."""
+    if copy:
+        out.copy_(d)
+    if math.isinf(bound):
+        return out
+    if not bound > 0.0:
+        raise ValueError(f"Invalid bound: {bound} (must be > 0)")
+    if isinstance(where, slice):
+        out[where] = torch.maximum(d[where], m[where].abs().div_(bound))
+    else:  # a gather and a scatter, fused on CPU (commopt.kernels)
+        get_kernels(out.device).guard_denominator_(out, m, d, bound, where)
+    return out
+
+
+def step_bound(mode: StepGuard, betas: tuple[float, float], bias_correction: bool = False) -> float:
+    """B(β1, β2) (:func:`adam_step_bound`) when the guard is on (``mode`` not False), else
+    ``math.inf``."""
+    if not mode:
+        return math.inf
+    return adam_step_bound(*betas, bias_correction)
+
+
+def guarded_elements(
+    mode: StepGuard, state: FlatState, seg: Segment
+) -> torch.Tensor | slice | None:
+    """Which elements of segment ``seg`` of ``state`` the guard clamps: ``None`` (none: the
+    unguarded path, bit-identical to ``step_guard=False``), ``slice(None)`` (all, with
+    ``step_guard=True``) or their indices relative to the segment (``"tiny"``: v below
+    :data:`TINY_VARIANCE` of its tensor's mean)."""
+    if mode is False:
+        return None
+    if mode is True:
+        return slice(None)
+    return state.tiny_variance_in(TINY_VARIANCE, seg.start, seg.stop)
 
 
 def update_moments_(
@@ -121,7 +294,7 @@ def guarded_adam_update_(
     target: torch.Tensor | None = None,
 ) -> None:
     r"""p ← p·(1 − η·λ) − step_size·m/d′ for each segment and its group, where d′ = d except
-    on the elements the step guard names (:func:`~commopt.optim.step_guard.guarded_elements`):
+    on the elements the step guard names (:func:`~commopt.optim.adam.guarded_elements`):
     d′ = max(d, |m|/limit) there, so |m/d′| ≤ limit. ``limits[k]`` None: segment k is not
     guarded (d′ = d). ``target``: a flat buffer laid out like the bucket takes the update in
     place of the parameters (0/1 Adam's staged sync). The one guarded Adam update of 1-bit
@@ -277,3 +450,59 @@ def guard_limits(
             bound *= group["lr"] / step_size
         limits.append(bound)
     return limits
+
+
+@contextlib.contextmanager
+def master_weights(
+    states: Iterable[FlatState], param_state: MutableMapping[torch.Tensor, dict[str, Any]]
+) -> Iterator[None]:
+    """Inside: in every bucket, each non-fp32 parameter is replaced by its fp32 master copy (a
+    view of the bucket's ``"master"`` buffer, its ``.grad`` the gradient widened to fp32,
+    exactly); on exit the parameter is rounded from it. The master copy starts as the
+    parameter's value.
+
+    The parameter itself is never touched inside: swapping its ``.data`` to another dtype would
+    drop the gradient-accumulator hooks DDP registered on it (and DDP would wait at the next
+    step for gradients that never come)."""
+    swapped: list[tuple[Bucket, list[torch.Tensor], list[Segment]]] = []
+    rounding: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for state in states:
+        bucket = state.bucket
+        if all(p.dtype == torch.float32 for p in bucket.params):
+            continue
+        fresh = {id(p) for p in bucket.params if "master" not in param_state[p]}
+        master = state.buffer("master")
+        proxies: dict[int, torch.Tensor] = {}
+        for p, view in zip(bucket.params, bucket.views(master), strict=True):
+            if p.dtype == torch.float32:
+                param_state[p].pop("master", None)  # fp32 parameters are their own master
+                continue
+            if id(p) in fresh:
+                view.copy_(p)
+            if p.grad is not None:
+                view.grad = p.grad.to(torch.float32)
+            proxies[id(p)] = view
+            rounding.append((p, view))
+        swapped.append((bucket, bucket.params, bucket.segments))
+        bucket.params = [proxies.get(id(p), p) for p in bucket.params]
+        bucket.segments = [
+            dataclasses.replace(seg, params=tuple(proxies.get(id(p), p) for p in seg.params))
+            for seg in bucket.segments
+        ]
+    try:
+        yield
+    finally:
+        for bucket, params, segments in swapped:
+            bucket.params, bucket.segments = params, segments
+        with torch.no_grad():
+            for p, view in rounding:
+                p.copy_(view)
+                view.grad = None
+
+
+def unscale_grads_(params: Iterable[torch.Tensor], scale: torch.Tensor | float) -> None:
+    """g ← g / scale in place, as ``GradScaler.unscale_`` (the reciprocal in double, then fp32)."""
+    inv = scale.double().reciprocal().float() if torch.is_tensor(scale) else 1.0 / scale
+    for p in params:
+        if p.grad is not None:
+            p.grad.mul_(inv.to(p.grad.device) if torch.is_tensor(inv) else inv)
