@@ -44,7 +44,8 @@ def test_returns_after_gloo_freed_the_last_collective_and_the_model_dies_cleanly
 
 
 def test_control_torch_destroy_then_the_model_deadlocks():
-    with pytest.raises(TimeoutError, match=r"ranks \[0, 1\] did not finish"):
+    # (one rank or both: on a loaded machine one of them may get past before the other stalls)
+    with pytest.raises(TimeoutError, match=r"ranks \[[01, ]+\] did not finish"):
         run_ranks(_end_with_a_collective_in_flight, 2, False, timeout=10)
 
 
