@@ -19,8 +19,8 @@ import torch
 
 import commopt
 from commopt.comm import TorchBackend
-from experiments.common import Setup, describe_machine, launch, replicas_identical, train_on_task
 from experiments.convergence.tasks import load_task
+from experiments.harness import Setup, describe_machine, launch, replicas_identical, train_on_task
 
 __all__ = ["Maker", "plot_curves", "run_variants", "write_table"]
 

@@ -14,8 +14,8 @@ from typing import Any
 import torch
 
 from commopt.comm import resolve_backend
-from experiments.common import describe_machine, launch
 from experiments.demo import train_bytelm as demo
+from experiments.harness import describe_machine, launch
 
 __all__ = ["ADAM", "SMALL", "run_demo_variants", "run_seeds", "seed_table"]
 

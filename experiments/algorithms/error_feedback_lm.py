@@ -21,8 +21,8 @@ from typing import Any
 
 import commopt
 from experiments.algorithms.demo_lm import ADAM, SMALL, run_seeds, seed_table
-from experiments.common import describe_machine
 from experiments.demo import train_bytelm as demo
+from experiments.harness import describe_machine
 
 OUT = pathlib.Path(__file__).parent / "results"
 ETAS = (0.0, 0.01, 0.05, 0.2, 0.5, 1.0)

@@ -50,8 +50,8 @@ from typing import Any
 import commopt
 from commopt.optim.freeze import VarianceLevel
 from experiments.algorithms.common import run_variants
-from experiments.common.training import describe_machine
 from experiments.convergence.run import DEFAULTS
+from experiments.harness.training import describe_machine
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 TRACES = RESULTS / "freeze_traces.json"

@@ -35,9 +35,9 @@ import torch.distributed as dist
 
 import commopt
 from commopt.comm import TorchBackend
-from experiments.common.training import launch, sum_over_ranks
 from experiments.convergence.run import DEFAULTS
 from experiments.convergence.tasks import load_task
+from experiments.harness import launch, sum_over_ranks
 
 
 class FrozenVAdam:

@@ -29,8 +29,8 @@ import torch
 from commopt import OnebitLamb
 from experiments.algorithms.demo_lm import run_demo_variants
 from experiments.demo.train_bytelm import Config
-from tests.multirank.harness import run_ranks
-from tests.multirank.test_lamb_zero_one_gloo import (
+from experiments.harness import run_ranks
+from experiments.harness.small_tasks import (
     ADAM_LR,
     DIM,
     LAMB_BATCH,
@@ -39,9 +39,9 @@ from tests.multirank.test_lamb_zero_one_gloo import (
     LAMB_LR,
     LAMB_STEPS,
     STEPS,
-    _fit,
-    _fit_linear,
-    _fit_mlp,
+    fit,
+    fit_linear,
+    fit_mlp,
     minibatch_loss,
     regression_data,
 )
@@ -79,12 +79,12 @@ def _small(backend, problem: str, seed: int = 0) -> dict[str, float]:
                 )
 
             if seed == 0:
-                out[mode] = _fit_linear(make, minibatch_loss([rank], n))  # cosine lr 0.1
+                out[mode] = fit_linear(make, minibatch_loss([rank], n))  # cosine lr 0.1
             else:
                 torch.manual_seed(1 + seed)
                 model = torch.nn.Linear(DIM, 1)
                 loss = _seeded_loss(rank, n, 16, seed)
-                out[mode] = _fit(make, model, regression_data(), STEPS, ADAM_LR, loss)
+                out[mode] = fit(make, model, regression_data(), STEPS, ADAM_LR, loss)
         else:
             freeze = LAMB_STEPS + 1 if mode == "LAMB" else LAMB_FREEZE_AT
 
@@ -99,7 +99,7 @@ def _small(backend, problem: str, seed: int = 0) -> dict[str, float]:
                     backend=backend,
                 )
 
-            out[mode] = _fit_mlp(make, _seeded_loss(rank, n, LAMB_BATCH, seed))
+            out[mode] = fit_mlp(make, _seeded_loss(rank, n, LAMB_BATCH, seed))
     return out
 
 

@@ -25,8 +25,8 @@ import torch
 
 import commopt
 from experiments.algorithms.demo_lm import SMALL, seed_table, train_variants
-from experiments.common import describe_machine, launch
 from experiments.demo import train_bytelm as demo
+from experiments.harness import describe_machine, launch
 
 OUT = pathlib.Path(__file__).parent / "results"
 DEFAULT_FREEZE = 100_000

@@ -16,7 +16,7 @@ import torch
 
 import commopt
 from commopt.compressed import padded_size
-from tests.multirank.harness import run_ranks
+from experiments.harness import run_ranks
 
 
 def measure(backend, reps: int) -> dict[str, float]:

@@ -15,7 +15,7 @@ Outputs, under ``--out`` (default ``experiments/convergence/results``)/<task>/:
 - ``curves.png``: validation loss against step and against bytes sent per rank;
 - ``summary.md``: final metric, total bytes and ratio to Adam, collectives, time per step.
 
-Variants and the byte model: :mod:`experiments.common.training`. The models, data and split:
+Variants and the byte model: :mod:`experiments.harness.training`. The models, data and split:
 :mod:`experiments.convergence.tasks`.
 """
 
@@ -36,7 +36,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from experiments.common import (
+from experiments.convergence.tasks import TASKS, load_task
+from experiments.harness import (
     Hyper,
     Setup,
     describe_machine,
@@ -47,7 +48,6 @@ from experiments.common import (
     sum_over_ranks,
     train_on_task,
 )
-from experiments.convergence.tasks import TASKS, load_task
 
 __all__ = [
     "CONVERGENCE_VARIANTS",
@@ -97,7 +97,7 @@ def parse_variants(parser: argparse.ArgumentParser, value: str) -> list[str]:
     if unknown:
         parser.error(
             f"unknown optimizer(s) {unknown}; choose from {list(CONVERGENCE_VARIANTS)} or a "
-            "DiLoCo label (experiments/common/training.py)"
+            "DiLoCo label (experiments/harness/training.py)"
         )
     return variants
 

@@ -27,7 +27,6 @@ import statistics
 import sys
 import time
 
-from experiments.common import describe_machine, launch
 from experiments.convergence.run import (
     CONVERGENCE_VARIANTS,
     DEFAULTS,
@@ -35,6 +34,7 @@ from experiments.convergence.run import (
     task_hyper,
     train_variants,
 )
+from experiments.harness import describe_machine, launch
 
 __all__ = ["main", "seed_table"]
 

@@ -6,7 +6,7 @@ r"""DiLoCo against per-step communication, at equal inner steps and equal data, 
 
 The convergence suite's tasks and settings (:mod:`experiments.convergence.run`: 4 forked gloo
 ranks, 300 steps, lr 3e-3 / 2e-3, β = (0.9, 0.99)); every DiLoCo row wraps the ``Adam`` row's
-optimizer with its gradients left local (labels: :mod:`experiments.common.training`). Writes
+optimizer with its gradients left local (labels: :mod:`experiments.harness.training`). Writes
 ``--out``/<task>.md: per variant the final validation loss (mean over seeds ± sd), the gap to
 Adam with per-step all-reduce and to ``DiLoCo-none`` at the same H, the bits one rank sent per
 parameter per inner step (SPEC §7's cost model, commopt's byte counters), and whether the
@@ -28,9 +28,9 @@ import statistics
 import sys
 import time
 
-from experiments.common import describe_machine, launch
 from experiments.convergence.run import DEFAULTS, task_hyper, train_variants
 from experiments.convergence.tasks import load_task
+from experiments.harness import describe_machine, launch
 
 __all__ = ["default_variants", "main", "table"]
 

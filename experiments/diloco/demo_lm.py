@@ -24,8 +24,8 @@ from typing import Any
 import torch
 
 import commopt
-from experiments.common import launch
 from experiments.demo import train_bytelm as demo
+from experiments.harness import launch
 
 __all__ = ["main", "parse"]
 

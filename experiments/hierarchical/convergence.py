@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 import commopt
-from experiments.common.training import launch
+from experiments.harness import launch
 
 __all__ = ["main"]
 

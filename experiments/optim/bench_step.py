@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 import commopt
-from experiments.common.training import describe_machine, launch, rank_and_size
+from experiments.harness import describe_machine, launch, rank_and_size
 
 __all__ = ["main"]
 

@@ -16,8 +16,7 @@ import torch
 import torch.distributed as dist
 
 import commopt
-from experiments.common import describe_machine
-from tests.multirank.harness import run_ranks
+from experiments.harness import describe_machine, run_ranks
 
 
 def _rss_mb() -> float:

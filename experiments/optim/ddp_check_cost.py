@@ -6,7 +6,7 @@
 2 forked gloo ranks on loopback, the tcp benchmark's 25.2M-parameter MLP, 1-bit Adam in its
 warmup (every step communicates). The first three steps of 3 fresh optimizers run under
 :mod:`cProfile`; printed per step, rank 0's median ms: ``step()`` wall and the inclusive time of
-the digest (``gradient_digest``, found by qualified name: :mod:`experiments.common.profiling`).
+the digest (``gradient_digest``, found by qualified name: :mod:`experiments.harness.profiling`).
 Step 3 digests nothing: it is the step without the check, measured in the same run.
 """
 
@@ -17,10 +17,9 @@ import time
 import torch
 
 import commopt
-from experiments.common import describe_machine
-from experiments.common.profiling import inclusive_times
+from experiments.harness import describe_machine, run_ranks
+from experiments.harness.profiling import inclusive_times
 from experiments.tcp.bench import WideMLP
-from tests.multirank.harness import run_ranks
 
 DIGEST = "commopt.optim._agreement.gradient_digest"
 

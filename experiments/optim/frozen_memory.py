@@ -18,7 +18,7 @@ import argparse
 import torch
 
 import commopt
-from experiments.common.training import describe_machine
+from experiments.harness.training import describe_machine
 
 __all__ = ["main", "state_bytes"]
 

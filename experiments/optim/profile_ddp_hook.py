@@ -22,8 +22,8 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 import commopt
+from experiments.harness import run_ranks
 from experiments.tcp.bench import WideMLP
-from tests.multirank.harness import run_ranks
 
 
 def run(backend, mode, prof):

@@ -5,7 +5,7 @@ Forks ``--world-size`` gloo ranks (loopback) holding experiments/tcp's WideMLP s
 warmup, then takes ``--steps`` steps under :mod:`cProfile` and prints the inclusive time of the
 functions that do each phase (the gradient agreement, the momentum fold, each kernel of the
 compressed allreduce, the compression-error dot product, the mask, the denominator, the step
-guard, the update), found in the profile by qualified name (:mod:`experiments.common.profiling`).
+guard, the update), found in the profile by qualified name (:mod:`experiments.harness.profiling`).
 What is left of the exchange after its kernels is waiting on the wire and on the other ranks.
 Every other step of the ``--steps`` is taken without the profiler, so its own cost shows
 (``step() wall`` profiled and not). Rank 0's median per step is printed (a phase never called:
@@ -39,8 +39,8 @@ import torch
 import torch.distributed as dist
 
 import commopt
-from experiments.common.profiling import inclusive_times
-from experiments.common.training import describe_machine, launch, rank_and_size
+from experiments.harness import describe_machine, launch, rank_and_size
+from experiments.harness.profiling import inclusive_times
 
 __all__ = ["PHASES", "main"]
 

@@ -35,7 +35,7 @@ import torch
 
 import commopt
 import commopt.ddp
-from tests.multirank.harness import run_ranks
+from experiments.harness import run_ranks
 
 STEPS = 14
 

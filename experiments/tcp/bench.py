@@ -34,7 +34,7 @@ What the commopt variants time (``X-overlap`` is X with ``overlap=True``):
 
 - ``Local``: Adam on each rank's own gradients, no communication at all: the floor under any
   method that communicates.
-- ``DiLoCo-…`` (any label of :func:`experiments.common.is_variant`, e.g.
+- ``DiLoCo-…`` (any label of :func:`experiments.harness.is_variant`, e.g.
   ``DiLoCo-onebit-H50``, ``DiLoCo-onebit-H50-P4-d4``): inner steps with the syncs amortized.
   ``Local`` and the DiLoCo rows time ``--diloco-measure`` steps (default 100, a multiple of
   every H timed), so each fragment syncs the same number of times in every window; the
@@ -81,7 +81,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from experiments.common import Hyper, describe_machine, is_variant, launch, make_setup
+from experiments.harness import Hyper, describe_machine, is_variant, launch, make_setup
 
 __all__ = ["TCP_VARIANTS", "SmallTransformer", "WideMLP", "main", "measure"]
 

@@ -14,6 +14,21 @@ import torch
 import commopt
 import commopt.exchange.flat
 from commopt import OnebitLamb, ZeroOneAdam
+from experiments.harness.small_tasks import (
+    ADAM_BETAS,
+    ADAM_LR,
+    DIM,
+    LAMB_BATCH,
+    LAMB_BETAS,
+    LAMB_FREEZE_AT,
+    LAMB_LR,
+    LAMB_STEPS,
+    VAR_FREEZE,
+    fit_linear,
+    fit_mlp,
+    minibatch_loss,
+    mlp_data,
+)
 from tests.multirank.harness import run_ranks
 
 TIMEOUT = 240.0
@@ -54,7 +69,9 @@ def every_state(opt, model) -> list[torch.Tensor]:
 
 
 # -- 1-bit LAMB: one fused call per step, σ, bit-identical replicas ------------------------------
-LAMB_FREEZE, LAMB_STEPS = 3, 8
+# (these 8 steps were 750 until 2026-11-27: the convergence check's LAMB_STEPS, assigned
+# further down the module, replaced them before any test ran)
+LAMB_FREEZE, LOCKSTEP_STEPS = 3, 8
 
 
 def _lamb_lockstep(backend):
@@ -72,7 +89,7 @@ def _lamb_lockstep(backend):
     commopt.exchange.flat.compressed_allreduce_and_scale = counting
     try:
         per_step, momentum_at_freeze = [], None
-        for t in range(1, LAMB_STEPS + 1):
+        for t in range(1, LOCKSTEP_STEPS + 1):
             before = backend.stats.snapshot()
             calls.clear()
             train(model, opt, rank, range(t, t + 1))
@@ -304,85 +321,6 @@ def test_two_ranks_resume_without_errors_and_schedules_is_not_exact():
 # on the demo's byte LM, 1-bit LAMB is within 2 % of LAMB (test_demo_table_gloo.py);
 # docs/algorithms/onebit_lamb.md has all three problems.
 LAMB_BOUND = 1.15
-LAMB_STEPS, LAMB_DIM, LAMB_HIDDEN = 750, 8, 32
-LAMB_LR, LAMB_BETAS = 0.02, (0.9, 0.98)
-LAMB_FREEZE_AT = LAMB_STEPS // 5  # the rule above, not a scanned value
-LAMB_BATCH = 32
-
-# 0/1 Adam keeps the regression problem of OnebitAdam's test (data, linear model, steps, cosine
-# lr). It has no bias correction, so v must have settled when it is frozen: β2 = 0.99 here (with
-# 0.999 and 30 steps √v is ~5× too small and 0/1 Adam lands 14 % above Adam); the counterpart
-# Adam uses the same betas.
-STEPS, DIM = 150, 20
-ADAM_LR, ADAM_BETAS, VAR_FREEZE = 0.1, (0.9, 0.99), 30
-
-
-def regression_data():
-    gen = torch.Generator().manual_seed(123)
-    x = torch.randn(4096, DIM, generator=gen)
-    y = x @ torch.randn(DIM, 1, generator=gen) + 1.0 + 0.5 * torch.randn(4096, 1, generator=gen)
-    return x, y
-
-
-def mlp_data():
-    """y = sin(x·a) + 0.5·tanh(x·b)·(x·c) + 0.1·noise, x ~ N(0, I₈); var(y) ≈ 0.6."""
-    gen = torch.Generator().manual_seed(321)
-    x = torch.randn(4096, LAMB_DIM, generator=gen)
-    a, b, c = (torch.randn(LAMB_DIM, 1, generator=gen) / math.sqrt(LAMB_DIM) for _ in range(3))
-    y = torch.sin(2 * x @ a) + 0.5 * torch.tanh(x @ b) * (x @ c)
-    return x, y + 0.1 * torch.randn(4096, 1, generator=gen)
-
-
-def make_mlp() -> torch.nn.Module:
-    torch.manual_seed(2)
-    return torch.nn.Sequential(
-        torch.nn.Linear(LAMB_DIM, LAMB_HIDDEN),
-        torch.nn.Tanh(),
-        torch.nn.Linear(LAMB_HIDDEN, LAMB_HIDDEN),
-        torch.nn.Tanh(),
-        torch.nn.Linear(LAMB_HIDDEN, 1),
-    )
-
-
-def _fit(make_opt, model, data, steps: int, lr: float, loss_fn) -> float:
-    """Train ``steps`` steps with a cosine lr on ``loss_fn(model, x, y)``; full-data MSE."""
-    x, y = data
-    opt = make_opt(model.parameters())
-    for k in range(steps):
-        opt.param_groups[0]["lr"] = lr * 0.5 * (1 + math.cos(math.pi * k / steps))
-        opt.zero_grad()
-        loss_fn(model, x, y).backward()
-        opt.step()
-    with torch.no_grad():
-        return ((model(x) - y) ** 2).mean().item()
-
-
-def _fit_linear(make_opt, loss_fn) -> float:
-    torch.manual_seed(1)
-    model = torch.nn.Linear(DIM, 1)
-    return _fit(make_opt, model, regression_data(), STEPS, ADAM_LR, loss_fn)
-
-
-def _fit_mlp(make_opt, loss_fn) -> float:
-    return _fit(make_opt, make_mlp(), mlp_data(), LAMB_STEPS, LAMB_LR, loss_fn)
-
-
-def minibatch_loss(ranks: list[int], n: int, batch: int = 16):
-    """The mean over ``ranks`` of each one's minibatch loss on its shard (own batch stream).
-
-    One rank: what that rank computes; all ranks: what an fp32 allreduce of gradients gives.
-    """
-    streams = {r: torch.Generator().manual_seed(7 + r) for r in ranks}
-
-    def loss(model, x, y):
-        total = 0.0
-        for r in ranks:
-            xs, ys = x[r::n], y[r::n]
-            idx = torch.randint(0, xs.shape[0], (batch,), generator=streams[r])
-            total = total + ((model(xs[idx]) - ys[idx]) ** 2).mean()
-        return total / len(ranks)
-
-    return loss
 
 
 def _converge(backend):
@@ -405,8 +343,8 @@ def _converge(backend):
         )
 
     return {
-        "lamb": _fit_mlp(lamb, minibatch_loss([rank], n, LAMB_BATCH)),
-        "zero_one": _fit_linear(zero_one, minibatch_loss([rank], n)),
+        "lamb": fit_mlp(lamb, minibatch_loss([rank], n, LAMB_BATCH)),
+        "zero_one": fit_linear(zero_one, minibatch_loss([rank], n)),
     }
 
 
@@ -414,13 +352,13 @@ def test_four_ranks_reach_the_loss_of_lamb_and_adam():
     n = 4
     results = run_ranks(_converge, n, timeout=TIMEOUT)
     single = commopt.SingleProcessBackend()
-    lamb_ref = _fit_mlp(
+    lamb_ref = fit_mlp(
         lambda p: OnebitLamb(  # never leaves the warmup: LAMB
             p, lr=LAMB_LR, betas=LAMB_BETAS, freeze_step=LAMB_STEPS + 1, backend=single
         ),
         minibatch_loss(list(range(n)), n, LAMB_BATCH),
     )
-    adam_ref = _fit_linear(
+    adam_ref = fit_linear(
         lambda p: torch.optim.Adam(p, lr=ADAM_LR, betas=ADAM_BETAS),
         minibatch_loss(list(range(n)), n),
     )

@@ -167,7 +167,8 @@ def _private_imports(path: pathlib.Path) -> list[str]:
 
 def test_experiments_and_examples_use_only_public_names() -> None:
     """They show how commopt is used (issue 24: no imports of private names); the profilers
-    read private functions' times from a cProfile by name instead (experiments.common.profiling)."""
+    read private functions' times from a cProfile by name instead
+    (experiments.harness.profiling)."""
     repo = ROOT.parent
     paths = [p for d in ("experiments", "examples") for p in (repo / d).rglob("*.py")]
     found = [hit for path in paths for hit in _private_imports(path)]
@@ -302,3 +303,19 @@ def test_the_optimizer_argument_checker_finds_one(tmp_path: pathlib.Path) -> Non
     path = tmp_path / "m.py"
     path.write_text("def f(x, o: CompressedOptimizer): ...\ndef g(opt): ...\ndef h(self): ...\n")
     assert _takes_the_optimizer(path) == ["m.py:1: f(o)", "m.py:2: g(opt)"]
+
+
+def test_experiments_import_nothing_from_tests() -> None:
+    """The experiments' harness (experiments/harness/) owns the rank launcher and the small
+    tasks; tests may import it, not the reverse."""
+    repo = ROOT.parent
+    found = []
+    for path in sorted((repo / "experiments").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            found += [f"{path.name}:{node.lineno}" for n in names if n.split(".")[0] == "tests"]
+    assert found == []

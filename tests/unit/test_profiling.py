@@ -1,5 +1,5 @@
 """The profilers in experiments/ read a step's phases from a cProfile by the qualified names of
-the functions that do them (experiments.common.profiling); a refactor that renames or stops
+the functions that do them (experiments.harness.profiling); a refactor that renames or stops
 calling one of them must fail here, not print a silent ``-`` when someone runs the profile."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 
 import commopt
 import commopt.pipelined
-from experiments.common.profiling import defined_names, inclusive_times
+from experiments.harness.profiling import defined_names, inclusive_times
 from experiments.optim import ddp_check_cost, profile_step
 from tests.multirank.harness import run_ranks
 

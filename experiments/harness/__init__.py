@@ -1,13 +1,14 @@
-"""Shared pieces of the experiments: starting ranks, the optimizer variants, their traffic."""
+"""The experiments' harness: the one rank launcher (:mod:`.ranks`, which the tests use too),
+the optimizer variants and their training loop, their traffic (:mod:`.training`), profiles."""
 
-from experiments.common.training import (
+from experiments.harness.ranks import launch, run_ranks
+from experiments.harness.training import (
     ALL_VARIANTS,
     AllReduceCounter,
     Hyper,
     Setup,
     describe_machine,
     is_variant,
-    launch,
     make_setup,
     rank_and_size,
     replicas_identical,
@@ -26,6 +27,7 @@ __all__ = [
     "make_setup",
     "rank_and_size",
     "replicas_identical",
+    "run_ranks",
     "sum_over_ranks",
     "train_on_task",
 ]

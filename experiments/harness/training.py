@@ -45,15 +45,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import multiprocessing as mp
 import os
-import pickle
 import platform
-import queue as queue_module
 import re
-import tempfile
 import time
-import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -64,7 +59,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 from torch.nn.parallel import DistributedDataParallel
 
 import commopt
-from commopt.comm import TorchBackend, set_default_backend
+from commopt.comm import TorchBackend
 from commopt.comm.base import model_bytes
 from commopt.optim.base import CompressedOptimizer
 
@@ -75,7 +70,6 @@ __all__ = [
     "Setup",
     "describe_machine",
     "is_variant",
-    "launch",
     "make_setup",
     "rank_and_size",
     "replicas_identical",
@@ -176,81 +170,6 @@ def describe_machine() -> str:
         f"{cpu}, {os.cpu_count()} cores, load average {load}, torch {torch.__version__}, "
         f"python {platform.python_version()}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
     )
-
-
-def _rank_main(
-    rank: int, n: int, path: str, fn: Callable[..., Any], args: tuple, queue: Any
-) -> None:
-    try:
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=n)
-        set_default_backend(TorchBackend())
-        result = fn(*args)
-        if rank == 0:
-            queue.put((True, pickle.dumps(result)))
-    except BaseException as err:
-        queue.put((False, f"rank {rank}: {type(err).__name__}: {err}\n{traceback.format_exc()}"))
-        raise SystemExit(1) from None
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 3600.0) -> Any:
-    """Run ``fn(*args)`` on every rank; return rank 0's result (``None`` on the other ranks).
-
-    Under a launcher (``RANK`` or an MPI rank variable in the environment: torchrun, mpirun,
-    ``netlab run``) this process is one rank: ``commopt.init()`` starts it and ``world_size``
-    is ignored. Otherwise ``world_size`` gloo ranks are forked on this machine (a FileStore in
-    a temporary directory; one torch thread each) and this process waits for them.
-
-    Raises:
-        RuntimeError: a rank failed (its traceback is in the message) or ``timeout`` passed.
-    """
-    if any(v in os.environ for v in ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")):
-        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-        commopt.init(timeout=timeout)
-        rank = rank_and_size()[0]
-        try:
-            result = fn(*args)
-        finally:
-            if dist.is_initialized():
-                dist.destroy_process_group()
-        return result if rank == 0 else None
-    ctx = mp.get_context("fork")
-    queue = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "store")
-        procs = [
-            ctx.Process(target=_rank_main, args=(r, world_size, path, fn, args, queue))
-            for r in range(world_size)
-        ]
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + timeout
-        try:
-            while True:
-                try:
-                    ok, payload = queue.get(timeout=0.5)
-                except queue_module.Empty:
-                    pass
-                else:
-                    if not ok:
-                        raise RuntimeError(payload)
-                    result = pickle.loads(payload)
-                    for p in procs:
-                        p.join(timeout=max(1.0, deadline - time.monotonic()))
-                    return result
-                failed = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
-                if failed:
-                    raise RuntimeError(f"rank(s) {failed} exited with an error (see stderr)")
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"ranks did not finish within timeout={timeout} s")
-        finally:
-            for p in procs:
-                if p.is_alive():
-                    p.kill()
-                    p.join()
 
 
 # -- traffic of DDP hooks ------------------------------------------------------------------------
