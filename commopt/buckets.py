@@ -56,6 +56,7 @@ class Bucket:
     first_step: int = 0
 
     def new_buffer(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """A zero flat buffer of the bucket's length."""
         return torch.zeros(self.numel, dtype=dtype, device=self.device)
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:

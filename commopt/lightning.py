@@ -54,6 +54,7 @@ class OnebitHookCallback(Callback):
         self.state: OnebitHookState | None = None
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Register the hook on the strategy's DDP model, paired with its commopt optimizer."""
         model: Any = trainer.strategy.model
         if not isinstance(model, DistributedDataParallel):
             return

@@ -42,6 +42,7 @@ _HALF = ("float16", "bfloat16")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The ``commopt bench`` options."""
     m.add_sweep_arguments(p, default_factor=4)
     p.add_argument(
         "--half-dtypes",
@@ -84,6 +85,7 @@ def _backends(args: argparse.Namespace) -> dict[str, Backend]:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Measure each operation at each size on the running backend(s); print the table."""
     if args.plot:
         try:
             import matplotlib  # noqa: F401  (checked before minutes of measuring, not after)
@@ -333,6 +335,7 @@ def run_workload(args: argparse.Namespace, backends: Mapping[str, Backend]) -> i
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m commopt.cli.bench``."""
     p = argparse.ArgumentParser(prog="commopt bench", description=HELP)
     add_arguments(p)
     return run(p.parse_args(argv))

@@ -36,6 +36,7 @@ def settings(*, root: bool, loopback: bool = True) -> dict[str, str]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``commopt mpi-env`` options."""
     parser.add_argument(
         "--no-loopback",
         dest="loopback",
@@ -45,6 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Print the environment lines for Open MPI from the wheel."""
     for name, value in settings(root=os.geteuid() == 0, loopback=args.loopback).items():
         print(f"export {name}={shlex.quote(value)}")
     return 0

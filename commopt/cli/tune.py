@@ -41,6 +41,7 @@ _REDUCE_DTYPES = ("float32", "float16", "bfloat16")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The ``commopt tune`` options."""
     p.add_argument("-o", "--output", default="commopt_table.json", help="table to write (JSON)")
     m.add_sweep_arguments(p, default_factor=2)
     p.add_argument(
@@ -133,6 +134,7 @@ def _hostnames(be: Backend) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Measure the backends per operation and size and write the mixed backend's table."""
     backends = m.start_backends(args.backends)
     if not backends:
         print(
@@ -249,6 +251,7 @@ def summary(table: Mapping[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m commopt.cli.tune``."""
     p = argparse.ArgumentParser(prog="commopt tune", description=HELP)
     add_arguments(p)
     return run(p.parse_args(argv))

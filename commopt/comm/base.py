@@ -55,6 +55,7 @@ class CommStats:
     bytes_by_op: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def record(self, op: str, nbytes: int, world_size: int) -> None:
+        """Count one call of ``op`` on ``nbytes`` bytes and its modelled bytes sent."""
         sent = model_bytes(op, nbytes, world_size)
         self.calls += 1
         self.bytes_sent += sent
@@ -62,6 +63,7 @@ class CommStats:
         self.bytes_by_op[op] = self.bytes_by_op.get(op, 0) + sent
 
     def reset(self) -> None:
+        """Zero every count."""
         self.calls = 0
         self.bytes_sent = 0
         self.calls_by_op.clear()
@@ -97,15 +99,20 @@ class Backend(Protocol):
     world_size: int
     stats: CommStats
 
-    def all_reduce(self, t: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor: ...
+    def all_reduce(self, t: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
+        """t ← op over ranks of t, in place (``"avg"``: the mean); returns t."""
 
-    def all_gather(self, out: torch.Tensor, t: torch.Tensor) -> torch.Tensor: ...
+    def all_gather(self, out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """out ← every rank's t, in rank order (out has world_size·t.numel()); returns out."""
 
-    def all_to_all(self, out: torch.Tensor, t: torch.Tensor) -> torch.Tensor: ...
+    def all_to_all(self, out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """out[chunk j] ← rank j's t[chunk of this rank] for every j; returns out."""
 
-    def broadcast(self, t: torch.Tensor, src: int = 0) -> torch.Tensor: ...
+    def broadcast(self, t: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """t ← rank ``src``'s t on every rank; returns t."""
 
-    def barrier(self) -> None: ...
+    def barrier(self) -> None:
+        """Return once every rank has called it."""
 
 
 def check_equal_split(op: str, out: torch.Tensor, t: torch.Tensor, world_size: int) -> None:
@@ -139,24 +146,29 @@ class SingleProcessBackend:
         self.stats = CommStats()
 
     def all_reduce(self, t: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
+        """The identity (one rank); "avg" included."""
         return t
 
     def all_gather(self, out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """out ← t."""
         check_equal_split("all_gather", out, t, 1)
         out.view(-1).copy_(t.view(-1))
         return out
 
     def all_to_all(self, out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """out ← t."""
         check_equal_split("all_to_all", out, t, 1)
         out.copy_(t)
         return out
 
     def broadcast(self, t: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """The identity (one rank)."""
         if src != 0:
             raise ValueError(f"broadcast: src {src} out of range for a world of 1")
         return t
 
     def barrier(self) -> None:
+        """Nothing to wait for."""
         return None
 
     def __repr__(self) -> str:

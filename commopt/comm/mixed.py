@@ -257,18 +257,23 @@ class MixedBackend:
             torch.cuda.current_stream(self._last_cuda).synchronize()
 
     def all_reduce(self, t: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
+        """:meth:`Backend.all_reduce` on the backend the table picks for this size."""
         return self._route("all_reduce", t.numel() * t.element_size(), t).all_reduce(t, op)
 
     def all_gather(self, out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """:meth:`Backend.all_gather` on the backend the table picks for this size."""
         return self._route("all_gather", t.numel() * t.element_size(), t).all_gather(out, t)
 
     def all_to_all(self, out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """:meth:`Backend.all_to_all` on the backend the table picks for this size."""
         return self._route("all_to_all", t.numel() * t.element_size(), t).all_to_all(out, t)
 
     def broadcast(self, t: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """:meth:`Backend.broadcast` on the backend the table picks for this size."""
         return self._route("broadcast", t.numel() * t.element_size(), t).broadcast(t, src)
 
     def barrier(self) -> None:
+        """A barrier on the backend the table picks for it."""
         self._route("barrier", 0, None).barrier()
 
     def __repr__(self) -> str:

@@ -204,6 +204,7 @@ class MpiBackend:
 
     # -- collectives ---------------------------------------------------------------------------
     def all_reduce(self, t: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
+        """``Allreduce`` in place (host-staged unless CUDA-aware); "avg" divides after the sum."""
         self._check_reduction(t, op)
         host = self._to_mpi(t)
         self.stats.record("all_reduce", t.numel() * t.element_size(), self.world_size)
@@ -223,6 +224,7 @@ class MpiBackend:
         return t
 
     def all_gather(self, out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """``Allgather`` into out."""
         check_equal_split("all_gather", out, t, self.world_size)
         send, recv = self._to_mpi(t), self._from_mpi(out)
         self.stats.record("all_gather", t.numel() * t.element_size(), self.world_size)
@@ -233,6 +235,7 @@ class MpiBackend:
         return out
 
     def all_to_all(self, out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """``Alltoall`` into out."""
         check_equal_split("all_to_all", out, t, self.world_size)
         send, recv = self._to_mpi(t), self._from_mpi(out)
         self.stats.record("all_to_all", t.numel() * t.element_size(), self.world_size)
@@ -291,6 +294,7 @@ class MpiBackend:
         return self._progress.submit(request, lambda: (t, out)[1], out.device)
 
     def broadcast(self, t: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """``Bcast`` from ``src``."""
         if not 0 <= src < self.world_size:
             raise ValueError(f"broadcast: src {src} out of range for world size {self.world_size}")
         self._check_contiguous("broadcast", t)
@@ -303,6 +307,7 @@ class MpiBackend:
         return t
 
     def barrier(self) -> None:
+        """``Barrier``."""
         self.stats.record("barrier", 0, self.world_size)
         self._comm().Barrier()
 

@@ -117,6 +117,8 @@ class SharedMemoryBackend:
 
     # -- collectives ---------------------------------------------------------------------------
     def all_gather(self, out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """Each rank copies t into its slot of the shared segment and every rank reads all
+        slots (through the helper backend where t does not fit the segment)."""
         check_equal_split("all_gather", out, t, self.world_size)
         self.stats.record("all_gather", t.numel() * t.element_size(), self.world_size)
         return self._gather(out, t)
@@ -132,6 +134,7 @@ class SharedMemoryBackend:
         return out
 
     def all_to_all(self, out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """Each rank writes its chunks into the shared segment; every rank reads its own."""
         check_equal_split("all_to_all", out, t, self.world_size)
         self.stats.record("all_to_all", t.numel() * t.element_size(), self.world_size)
         src = self._bytes(t)
@@ -198,6 +201,7 @@ class SharedMemoryBackend:
         return out.div_(n)
 
     def all_reduce(self, t: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
+        """Reduced through the shared segment, summed in rank order on every rank."""
         if op not in ("sum", "avg", "max", "min"):
             raise ValueError(f"all_reduce: unknown op {op!r}; expected sum, avg, max or min")
         self.stats.record("all_reduce", t.numel() * t.element_size(), self.world_size)
@@ -217,6 +221,7 @@ class SharedMemoryBackend:
         return t
 
     def broadcast(self, t: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """Rank ``src`` writes t into the shared segment; the others read it."""
         if not 0 <= src < self.world_size:
             raise ValueError(f"broadcast: src {src} out of range for world size {self.world_size}")
         self.stats.record("broadcast", t.numel() * t.element_size(), self.world_size)
@@ -232,6 +237,7 @@ class SharedMemoryBackend:
         return t
 
     def barrier(self) -> None:
+        """The segment's barrier."""
         self.stats.record("barrier", 0, self.world_size)
         self.helper.barrier()
 

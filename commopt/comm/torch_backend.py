@@ -82,6 +82,8 @@ class TorchBackend:
         return self._channels.get(name, self.group) if name is not None else self.group
 
     def all_reduce(self, t: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
+        """``torch.distributed.all_reduce`` on this backend's group ("avg": the sum, then a
+        division by ``world_size``)."""
         self.stats.record("all_reduce", t.numel() * t.element_size(), self.world_size)
         if op == "avg":
             dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self._group())
@@ -141,18 +143,21 @@ class TorchBackend:
         return _completes_with(work, out)
 
     def all_gather(self, out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """``all_gather_into_tensor`` (or a list gather where the engine lacks it)."""
         check_equal_split("all_gather", out, t, self.world_size)
         self.stats.record("all_gather", t.numel() * t.element_size(), self.world_size)
         all_gather_flat(out.view(-1), t.reshape(-1), self._group())
         return out
 
     def all_to_all(self, out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """``all_to_all_single``."""
         check_equal_split("all_to_all", out, t, self.world_size)
         self.stats.record("all_to_all", t.numel() * t.element_size(), self.world_size)
         dist.all_to_all_single(out.view(-1), t.reshape(-1), group=self._group())
         return out
 
     def broadcast(self, t: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """``torch.distributed.broadcast`` from ``src`` (a group rank)."""
         if not 0 <= src < self.world_size:
             raise ValueError(f"broadcast: src {src} out of range for world size {self.world_size}")
         self.stats.record("broadcast", t.numel() * t.element_size(), self.world_size)
@@ -163,6 +168,7 @@ class TorchBackend:
         return t
 
     def barrier(self) -> None:
+        """``torch.distributed.barrier`` on this backend's group."""
         self.stats.record("barrier", 0, self.world_size)
         dist.barrier(group=self._group())
 

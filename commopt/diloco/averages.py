@@ -85,9 +85,11 @@ class Fp32Average:
         self.backends = {"global": backend}
 
     def state_numels(self, numel: int) -> dict[str, int]:
+        """No per-rank state."""
         return {}
 
     def average_(self, delta: torch.Tensor, state: dict[str, torch.Tensor]) -> None:
+        """Δ ← the fp32 mean of Δ over ranks."""
         check_finite(self.backend, delta)
         if self.backend.world_size > 1:
             self.backend.all_reduce(delta, "avg")
@@ -109,9 +111,11 @@ class Bf16Average:
         self.backends = {"global": backend}
 
     def state_numels(self, numel: int) -> dict[str, int]:
+        """No per-rank state."""
         return {}
 
     def average_(self, delta: torch.Tensor, state: dict[str, torch.Tensor]) -> None:
+        """Δ ← the mean over ranks of Δ rounded to bf16 (summed in fp32)."""
         be, n, numel = self.backend, self.backend.world_size, delta.numel()
         check_finite(be, delta)
         if n == 1:
@@ -145,9 +149,11 @@ class OnebitAverage:
                 self.backends[level] = be
 
     def state_numels(self, numel: int) -> dict[str, int]:
+        """The exchange's error buffers (worker and server)."""
         return self.exchange.state_numels(numel)
 
     def average_(self, delta: torch.Tensor, state: dict[str, torch.Tensor]) -> None:
+        """Δ ← C(Δ), the error-compensated 1-bit average (SPEC §1) with this rank's errors."""
         self.exchange.allreduce_(delta, state)
 
 

@@ -255,6 +255,7 @@ class DiLoCo:
         return self.inner.state
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """The inner optimizer's ``zero_grad``."""
         self.inner.zero_grad(set_to_none=set_to_none)
 
     def step(self, closure: Callable[[], float] | None = None) -> Any:

@@ -62,11 +62,12 @@ def econtrol_allreduce_(
 
     Args:
         tensor: this rank's buffer, 1-D fp32 contiguous; overwritten with y.
-        worker_error: e, N elements.  server_error: f, N/n elements.
-        worker_estimate: h, N elements (this rank's own).  mean_estimate: ĥ, N elements
-            (bit-identical on every rank).  started: 1 element, 0 before the first call.
-            All fp32, zero-initialised by the caller, updated in place; zeroing all of them
-            restarts the feedback.
+        worker_error: e, N elements. All five state tensors are fp32, zero-initialised by the
+            caller and updated in place; zeroing all of them restarts the feedback.
+        server_error: f, N/n elements.
+        worker_estimate: h, N elements (this rank's own).
+        mean_estimate: ĥ, N elements (bit-identical on every rank).
+        started: 1 element, 0 before the first call.
         eta: η ≥ 0, the strength of the error feedback.
         backend: where to communicate; ``None`` resolves as in :func:`compressed_allreduce`.
 

@@ -82,6 +82,8 @@ class FlatExchange:
         self.name = "flat" if feedback == "classic" else "flat-econtrol"
 
     def state_numels(self, numel: int) -> dict[str, int]:
+        """Per-rank buffers for a bucket of ``numel``: the worker error (N), the server error
+        (N/n)."""
         n = self.backend.world_size
         padded = padded_size(numel, n)
         sizes = {"worker_error": padded, "server_error": padded // n}
@@ -92,6 +94,7 @@ class FlatExchange:
     def allreduce_(
         self, tensor: torch.Tensor, state: dict[str, torch.Tensor]
     ) -> torch.Tensor | None:
+        """flat ← C(flat) over all ranks (SPEC §1, or EControl's workers); returns the scale s."""
         if self.feedback == "econtrol":
             return econtrol_allreduce_(
                 tensor,

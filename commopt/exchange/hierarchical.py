@@ -172,6 +172,7 @@ class HierarchicalExchange:
 
     # -- the Exchange protocol -----------------------------------------------------------------
     def state_numels(self, numel: int) -> dict[str, int]:
+        """Per-rank buffers: the cross level's worker error and this rank's server share."""
         if self._flat is not None:
             return self._flat.state_numels(numel)
         slice_numel = padded_size(numel, self.backend.world_size) // self.local_size

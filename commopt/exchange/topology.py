@@ -61,6 +61,7 @@ class Topology:
 
     @property
     def world_size(self) -> int:
+        """All ranks, over every node."""
         return sum(len(ranks) for ranks in self.nodes)
 
     @property

@@ -95,9 +95,11 @@ class CupyDriver:
             return _module(source, index).get_function(name).kernel
 
     def current_device(self) -> int:
+        """The current CUDA device index."""
         return torch.cuda.current_device()
 
     def raw_stream(self, index: int) -> int:
+        """The current torch stream of device ``index``, as a raw handle."""
         if self._raw_stream is not None:
             return int(self._raw_stream(index))
         return torch.cuda.current_stream(torch.device("cuda", index)).cuda_stream
@@ -107,6 +109,7 @@ class CupyDriver:
         return self._cupy.cuda.ExternalStream(handle, index)
 
     def device(self, index: int) -> Any:
+        """The CuPy device ``index``."""
         return self._cupy.cuda.Device(index)
 
 
@@ -167,6 +170,7 @@ class CupyRuntime:
         self._launchers: dict[tuple[int, int], _Launcher] = {}
 
     def launcher(self, tensor: torch.Tensor) -> KernelLauncher:
+        """The kernel launcher for ``tensor``'s device (built once per device and stream)."""
         device = tensor.device
         index = device.index
         if index is None:

@@ -11,21 +11,27 @@ __all__ = ["Kernels", "ServerStages"]
 
 
 class Kernels(Protocol):
+    """One device's kernel set for the compressed allreduce (:mod:`commopt.kernels`, SPEC §1)."""
+
     name: str
 
     def compensate(
         self, x: torch.Tensor, worker_error: torch.Tensor, c: torch.Tensor
-    ) -> torch.Tensor: ...
+    ) -> torch.Tensor:
+        """c = pad(x) + e; returns s = ‖c‖₂/√N (a 1-element fp32 tensor)."""
 
     def pack_worker_(
         self, c: torch.Tensor, s: torch.Tensor, worker_error: torch.Tensor, bits: torch.Tensor
-    ) -> None: ...
+    ) -> None:
+        """bits = pack(c ≥ 0), MSB first; e ← c − s·sgn(c)."""
 
-    def scale(self, x: torch.Tensor, worker_error: torch.Tensor) -> torch.Tensor: ...
+    def scale(self, x: torch.Tensor, worker_error: torch.Tensor) -> torch.Tensor:
+        """s of pad(x) + e without writing c."""
 
     def pack_compensated_(
         self, x: torch.Tensor, s: torch.Tensor, worker_error: torch.Tensor, bits: torch.Tensor
-    ) -> None: ...
+    ) -> None:
+        """pack_worker_ of c = pad(x) + e recomputed on the fly (x unchanged since ``scale``)."""
 
     def server_reduce_(
         self,
@@ -33,11 +39,12 @@ class Kernels(Protocol):
         scales: torch.Tensor,
         server_error: torch.Tensor,
         bits: torch.Tensor,
-    ) -> torch.Tensor: ...
+    ) -> torch.Tensor:
+        """a = (Σ_i s_i·sgn_i)/n in rank order; c = a + f; t = ‖c‖₂/√M; bits = pack(c ≥ 0); f ← c −
+        t·sgn(c); returns t."""
 
-    def unpack_scaled_(
-        self, bits: torch.Tensor, scales: torch.Tensor, out: torch.Tensor
-    ) -> None: ...
+    def unpack_scaled_(self, bits: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> None:
+        """out = concat_j t_j·sgn(bits_j), cut to out's length."""
 
     def guard_denominator_(
         self,
@@ -46,7 +53,8 @@ class Kernels(Protocol):
         d: torch.Tensor,
         bound: float,
         where: torch.Tensor,
-    ) -> None: ...
+    ) -> None:
+        """out[where] = max(d, |m|/bound)[where] (the optimizers' step guard)."""
 
 
 class ServerStages(Protocol):
@@ -59,8 +67,11 @@ class ServerStages(Protocol):
 
     align: int
 
-    def average_(self, recv_bits: torch.Tensor, scales: torch.Tensor, lo: int) -> None: ...
+    def average_(self, recv_bits: torch.Tensor, scales: torch.Tensor, lo: int) -> None:
+        """Add the range of f starting at ``lo`` from every rank's bits."""
 
-    def scale(self) -> torch.Tensor: ...
+    def scale(self) -> torch.Tensor:
+        """t = ‖c‖₂/√M over the whole chunk, once every range is averaged."""
 
-    def pack_(self, t: torch.Tensor, lo: int, bits: torch.Tensor) -> None: ...
+    def pack_(self, t: torch.Tensor, lo: int, bits: torch.Tensor) -> None:
+        """Pack the range starting at ``lo`` and update f there."""

@@ -133,7 +133,8 @@ def adam_step_bound(beta1: float, beta2: float, bias_correction: bool = False) -
     makes the ratio grow without limit) and the guard is off.
 
     Args:
-        beta1, beta2: the optimizer's betas, in [0, 1).
+        beta1: the optimizer's β1, in [0, 1).
+        beta2: the optimizer's β2, in [0, 1).
         bias_correction: whether the step uses m̂ = m/(1−β1^t) and v̂ = v/(1−β2^t).
     """
     if not 0.0 <= beta1 < 1.0 or not 0.0 <= beta2 < 1.0:
@@ -342,6 +343,7 @@ class ZeroVarianceGuard:
         self.warned = False
 
     def apply_(self, state: FlatState, flat: torch.Tensor, warn: bool) -> None:
+        """flat ← 0 where v = 0 (warns once if ``warn``)."""
         where = state.zero_variance()
         if where is None:
             return

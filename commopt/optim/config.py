@@ -256,12 +256,14 @@ def check_number(name: str, value: Any) -> None:
 
 
 def check_nonnegative(name: str, value: float) -> None:
+    """TypeError unless a number, ValueError unless ≥ 0 (NaN included)."""
     check_number(name, value)
     if not value >= 0.0:  # also rejects NaN
         raise ValueError(f"Invalid {name}: {value} (must be >= 0)")
 
 
 def check_beta(index: int, value: float) -> None:
+    """A β in [0, 1), worded as torch.optim words it."""
     check_number(f"beta parameter at index {index}", value)
     if not 0.0 <= value < 1.0:
         raise ValueError(f"Invalid beta parameter at index {index}: {value} (must be in [0, 1))")
@@ -279,6 +281,7 @@ def check_adam_arguments(
 
 
 def check_step_count(name: str, value: int, minimum: int, why: str) -> None:
+    """An int ≥ ``minimum`` (``why``: the reason, in the message)."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"Invalid {name}: {value!r} (must be an int)")
     if value < minimum:

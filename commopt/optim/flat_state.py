@@ -254,6 +254,7 @@ class FlatState:
             buf.zero_()
 
     def comm_state_dict(self) -> dict[str, Any]:
+        """This rank's exchange buffers (copies) and the bucket's length."""
         return {"numel": self.bucket.numel, **{k: v.clone() for k, v in self.comm.items()}}
 
     def load_comm_state_dict(self, entry: Mapping[str, Any]) -> None:

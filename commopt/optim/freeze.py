@@ -266,6 +266,7 @@ class AutoFreeze:
         return True
 
     def state_dict(self) -> dict[str, Any]:
+        """The rule's constants and what it has observed."""
         return {
             "rule": RULE,
             "min_step": self.min_step,

@@ -216,6 +216,7 @@ class ZeroOneAdam(CompressedOptimizer):
     def load_state_dict(
         self, state_dict: dict[str, Any], *, allow_config_change: bool = False
     ) -> None:
+        """As the base's, then the schedule over the loaded state and older groups upgraded."""
         super().load_state_dict(state_dict, allow_config_change=allow_config_change)
         self._start_schedule()  # over the loaded global_state
         upgrade_zero_one_groups(self.param_groups, self.config.var_update_scaler)

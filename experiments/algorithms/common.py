@@ -1,4 +1,5 @@
-r"""What the experiments of issue 13 share: train named optimizer variants on a convergence task.
+r"""What the experiments on options beyond the papers share: train named optimizer variants
+on a convergence task.
 
 A *maker* builds the optimizer on every rank: ``maker(params, backend) -> Optimizer``. Each
 variant starts from the same weights (rank 0's, broadcast), sees the same batches in the same

@@ -13,7 +13,7 @@ Replay writes ``freeze_rules_replay.md`` (``<FILE stem>_replay.md`` for another 
 real runs ``freeze_rule_<rule>_<task>[_<N>steps].{md,json}``, into ``--out`` (default
 experiments/algorithms/results).
 
-Question (issue 13): can a rule computed only from quantities every rank holds alike during the
+Question: can a rule computed only from quantities every rank holds alike during the
 warmup (the Adam state m, v of the *averaged* gradient and the step count: no message) freeze
 1-bit Adam's variance late enough on digits (v falls 2–3× from its peak at step ~45 to step 300,
 and a fixed freeze at 175–250 is best there) and still at ~90–150 on the LM (where v settles

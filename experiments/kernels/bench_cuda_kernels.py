@@ -14,7 +14,7 @@ same inputs:
 - ``host µs``: wall time of one call with the GPU idle (the launch's cost on the host; the
   goal is ≤ 20 µs).
 
-The goals (issue #23): ≥ 80 % of copy for the worker kernels and unpack at 16M and 128M,
+The goals: ≥ 80 % of copy for the worker kernels and unpack at 16M and 128M,
 ≥ 60 % for server_reduce_, ≤ 30 µs per kernel at 1M, and the four kernels together ≥ 4× faster
 than the torch reference at 16M.
 

@@ -1,4 +1,4 @@
-"""The host cost of one ``CupyKernels`` call, measured without a GPU (issue #23.1).
+"""What does one ``CupyKernels`` call cost the host? Measured without a GPU.
 
     python -m experiments.kernels.host_cost [--numel 1048576] [--calls 2000]
 

@@ -1,4 +1,4 @@
-"""Where the DDP hook's extra time per step goes, against the standalone optimizer (issue #23.3).
+"""Where does the DDP hook's extra time per step go, against the standalone optimizer?
 
     python -m experiments.optim.profile_ddp_hook          # per-step forward/backward/step() ms
     python -m experiments.optim.profile_ddp_hook prof     # and a cProfile of rank 0

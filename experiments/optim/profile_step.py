@@ -15,13 +15,13 @@ Every other step of the ``--steps`` is taken without the profiler, so its own co
 change to the kernels or the update must leave it unchanged (this covers the large, pipelined
 buffers that ``experiments.optim.state_digest``'s small model never reaches).
 ``--steps 6 --digest`` printed ``b27af669b7bc2e93 2076cc39ea52b5ae 55d10eb24e799711
-7e094a22c5a98aaa`` from issue #12 (2026-11-22) to 2026-11-26.
+7e094a22c5a98aaa`` from the step-time work of 2026-11-22 to 2026-11-26.
 
 Usage::
 
     python -m experiments.optim.profile_step [--world-size 4] [--steps 6] [--digest]
 
-(The before/after columns of issue #12 in docs/performance.md came from a ``--compare`` mode
+(The before/after columns of that work in docs/performance.md came from a ``--compare`` mode
 that patched the old step guard back into private internals; it was removed once they were
 recorded. To see them again: ``git checkout e8945bb`` and run this module with ``--compare``.)
 """

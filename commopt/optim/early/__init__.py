@@ -152,6 +152,7 @@ class WarmupThenMomentum:
         self.fold_missing_as_zero = fold_missing_as_zero
 
     def kind(self, state: FlatState, step: int) -> Kind:
+        """AVERAGE through the bucket's warmup, MOMENTUM after it."""
         t = step - state.bucket.first_step  # a group added later runs its own warmup
         return Kind.AVERAGE if t <= self._frozen_after() else Kind.MOMENTUM
 
@@ -163,10 +164,12 @@ class WarmupThenMomentum:
         step: int,
         staged: StagedBuffers,
     ) -> None:
+        """The algorithm's exchange of the staged m′."""
         del staged
         self._exchange(state, m, errors, step)
 
     def snapshot(self) -> None:
+        """Nothing: the exchange reads no hyperparameter."""
         return None
 
 
