@@ -8,9 +8,9 @@ optimizer (``optimizer.config``). It is saved in ``state_dict()`` and compared o
 ``load_state_dict``: resuming with a different schedule would silently move the run into
 another phase, so it raises unless ``allow_config_change=True`` is passed.
 
-**Refusals**, beyond the config's own checks: param groups the flat fp32 state cannot represent,
-an invalid ``overlap`` or ``bucket_numel``, and 0/1 Adam's groups that would join after its
-variance froze.
+**Refusals**, beyond the config's own checks: keywords that are no option, param groups the flat
+fp32 state cannot represent, GradScaler after early work, and 0/1 Adam's groups that would join
+after its variance froze.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import numbers
 import os
 import textwrap
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, TypedDict, TypeVar
 
 import torch
 
@@ -41,19 +41,20 @@ from commopt.optim.freeze import AutoFreezeSettings, auto_settings
 __all__ = [
     "COMM_OPTIONS_DOC",
     "DEFAULT_FREEZE_STEP",
+    "CommKeywords",
     "CommOptions",
     "OnebitAdamConfig",
     "OnebitLambConfig",
     "ZeroOneAdamConfig",
     "check_adam_arguments",
     "check_beta",
+    "check_comm_keywords",
     "check_config_change",
     "check_freeze_step",
     "check_group_joins_phase_a",
     "check_no_scaler_after_early_work",
     "check_nonnegative",
     "check_number",
-    "check_overlap_arguments",
     "check_param_group",
     "check_step_count",
     "config_differences",
@@ -64,26 +65,6 @@ __all__ = [
 
 
 T = TypeVar("T")
-
-__all__ = [
-    "COMM_OPTIONS_DOC",
-    "DEFAULT_FREEZE_STEP",
-    "CommOptions",
-    "OnebitAdamConfig",
-    "OnebitLambConfig",
-    "ZeroOneAdamConfig",
-    "check_adam_arguments",
-    "check_beta",
-    "check_config_change",
-    "check_freeze_step",
-    "check_nonnegative",
-    "check_number",
-    "check_step_count",
-    "config_differences",
-    "configured_by",
-    "fill_template",
-    "saved_config",
-]
 
 
 def _tail_dedented(text: str) -> str:
@@ -419,6 +400,30 @@ class ZeroOneAdamConfig(CommOptions):
         )
 
 
+class CommKeywords(TypedDict, total=False):
+    """The constructors' ``**comm``: :class:`CommOptions`' fields as keywords (documented there
+    and in each constructor's Args; a test keeps the two lists equal)."""
+
+    topology: Topology
+    overlap: bool
+    bucket_numel: int | None
+    error_feedback: ErrorFeedback
+    econtrol_eta: float
+    step_guard: StepGuard
+
+
+def check_comm_keywords(owner: str, comm: dict[str, Any]) -> None:
+    """``TypeError`` naming ``owner`` for a keyword that is no communication option (the
+    constructors take them as ``**comm``)."""
+    known = {f.name for f in dataclasses.fields(CommOptions)}
+    unknown = sorted(set(comm) - known)
+    if unknown:
+        raise TypeError(
+            f"{owner}() got an unexpected keyword argument {unknown[0]!r} (the keyword-only "
+            f"options are {', '.join(sorted(known))})"
+        )
+
+
 def saved_config(config: CommOptions) -> dict[str, Any]:
     """The fields of ``config`` that ``state_dict()`` saves and a resume compares."""
     saved = dataclasses.asdict(config)
@@ -537,22 +542,6 @@ def check_param_group(
                 f"exp_avg_mask of shape {tuple(mask.shape)} does not broadcast to a parameter "
                 f"of shape {tuple(p.shape)} in its group"
             ) from None
-
-
-def check_overlap_arguments(
-    overlap: bool, bucket_numel: int | None, default: int | None
-) -> int | None:
-    """The constructors' ``overlap`` and ``bucket_numel``, checked; the bucket size to use
-    (``default``, the class's, when ``bucket_numel`` is None)."""
-    if not isinstance(overlap, bool):
-        raise TypeError(f"overlap must be True or False, got {overlap!r}")
-    if bucket_numel is None:
-        return default
-    if isinstance(bucket_numel, bool) or not isinstance(bucket_numel, int):
-        raise TypeError(f"bucket_numel must be an int, got {type(bucket_numel).__name__}")
-    if bucket_numel < 1:
-        raise ValueError(f"Invalid bucket_numel: {bucket_numel} (must be >= 1)")
-    return bucket_numel
 
 
 def check_group_joins_phase_a(step: int, frozen: float | None) -> None:

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import math
 import operator
+from typing import TYPE_CHECKING
 
 import torch
 from torch.optim.optimizer import ParamsT
 
-from commopt.choices import ErrorFeedback, StepGuard, Topology
 from commopt.comm import Backend
 from commopt.optim.adam import (
     guarded_adam_update_,
@@ -20,13 +20,18 @@ from commopt.optim.adam import (
 from commopt.optim.base import BucketOps, CompressedOptimizer, StepContext
 from commopt.optim.config import (
     DEFAULT_FREEZE_STEP,
+    CommKeywords,
     OnebitAdamConfig,
     check_adam_arguments,
+    check_comm_keywords,
     configured_by,
 )
 from commopt.optim.early import Kind, WarmupThenMomentum
 from commopt.optim.flat_state import FlatState
 from commopt.optim.freeze import AutoFreezeSettings, auto_settings
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = ["OnebitAdam"]
 
@@ -125,24 +130,11 @@ class OnebitAdam(CompressedOptimizer):
         freeze_step: int | str | AutoFreezeSettings = DEFAULT_FREEZE_STEP,
         bias_correction: bool = True,
         backend: Backend | None = None,
-        *,
-        topology: Topology = "flat",
-        overlap: bool = False,
-        bucket_numel: int | None = None,
-        error_feedback: ErrorFeedback = "classic",
-        econtrol_eta: float = 0.2,
-        step_guard: StepGuard = "tiny",
+        **comm: Unpack[CommKeywords],
     ) -> None:
         check_adam_arguments(lr, betas, eps, weight_decay)
-        config = OnebitAdamConfig(
-            freeze_step=freeze_step,
-            topology=topology,
-            overlap=overlap,
-            bucket_numel=bucket_numel,
-            error_feedback=error_feedback,
-            econtrol_eta=econtrol_eta,
-            step_guard=step_guard,
-        )
+        check_comm_keywords(type(self).__name__, comm)
+        config = OnebitAdamConfig(freeze_step=freeze_step, **comm)
         defaults = dict(
             lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction
         )

@@ -30,13 +30,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch.optim.optimizer import ParamsT
 
 from commopt.buckets import Bucket, Segment
-from commopt.choices import ErrorFeedback, StepGuard, Topology, TrustRatio
+from commopt.choices import TrustRatio
 from commopt.comm import Backend
 from commopt.compressed import NonFiniteError
 from commopt.optim.adam import (
@@ -49,13 +49,18 @@ from commopt.optim.adam import (
 from commopt.optim.base import BucketOps, CompressedOptimizer, StepContext
 from commopt.optim.config import (
     DEFAULT_FREEZE_STEP,
+    CommKeywords,
     OnebitLambConfig,
     check_adam_arguments,
+    check_comm_keywords,
     configured_by,
 )
 from commopt.optim.early import Kind, WarmupThenMomentum
 from commopt.optim.flat_state import FlatState
 from commopt.optim.freeze import AutoFreezeSettings, auto_settings
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = [
     "OnebitLamb",
@@ -203,23 +208,14 @@ class OnebitLamb(CompressedOptimizer):
         factor_threshold: float = 0.1,
         backend: Backend | None = None,
         *,
-        topology: Topology = "flat",
         trust_ratio: TrustRatio = "max",
-        overlap: bool = False,
-        bucket_numel: int | None = None,
-        error_feedback: ErrorFeedback = "classic",
-        econtrol_eta: float = 0.2,
-        step_guard: StepGuard = "tiny",
+        **comm: Unpack[CommKeywords],
     ) -> None:
         check_adam_arguments(lr, betas, eps, weight_decay)
+        check_comm_keywords(type(self).__name__, comm)
         config = OnebitLambConfig(
+            **comm,
             trust_ratio=trust_ratio,
-            topology=topology,
-            overlap=overlap,
-            bucket_numel=bucket_numel,
-            error_feedback=error_feedback,
-            econtrol_eta=econtrol_eta,
-            step_guard=step_guard,
             freeze_step=freeze_step,
             max_coeff=max_coeff,
             min_coeff=min_coeff,

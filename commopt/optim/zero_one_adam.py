@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from torch.optim.optimizer import ParamsT
 
-from commopt.choices import ErrorFeedback, StepGuard, Topology
 from commopt.comm import Backend
 from commopt.compressed import NonFiniteError
 from commopt.notices import sync_point_not_finite, warn_sync_diverged
@@ -29,14 +28,19 @@ from commopt.optim.adam import (
 from commopt.optim.base import BucketOps, CompressedOptimizer, StepContext
 from commopt.optim.config import (
     DEFAULT_FREEZE_STEP,
+    CommKeywords,
     ZeroOneAdamConfig,
     check_adam_arguments,
+    check_comm_keywords,
     check_group_joins_phase_a,
     configured_by,
 )
 from commopt.optim.early import Kind
 from commopt.optim.flat_state import FlatState
 from commopt.optim.freeze import AutoFreezeSettings, auto_settings, settled_step
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = ["ZeroOneAdam"]
 
@@ -175,22 +179,13 @@ class ZeroOneAdam(CompressedOptimizer):
         local_step_clipper: int = 16,
         backend: Backend | None = None,
         *,
-        topology: Topology = "flat",
-        overlap: bool = False,
-        bucket_numel: int | None = None,
-        error_feedback: ErrorFeedback = "classic",
-        econtrol_eta: float = 0.2,
-        step_guard: StepGuard = "tiny",
         bias_correction: bool = True,
+        **comm: Unpack[CommKeywords],
     ) -> None:
         check_adam_arguments(lr, betas, eps, weight_decay)
+        check_comm_keywords(type(self).__name__, comm)
         config = ZeroOneAdamConfig(
-            topology=topology,
-            overlap=overlap,
-            bucket_numel=bucket_numel,
-            error_feedback=error_feedback,
-            econtrol_eta=econtrol_eta,
-            step_guard=step_guard,
+            **comm,
             var_freeze_step=var_freeze_step,
             var_update_scaler=var_update_scaler,
             local_step_scaler=local_step_scaler,
