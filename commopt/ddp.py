@@ -17,7 +17,7 @@ Usage::
     # the training loop is unchanged: backward, optimizer.step(), zero_grad
 
 What the hook does with a bucket depends on what the optimizer's next step does with each
-parameter (the algorithm's :class:`~commopt.optim.early.EarlyPlan`):
+parameter (the algorithm's :class:`~commopt.optim._early.EarlyPlan`):
 
 1. **average** (1-bit Adam's and 1-bit LAMB's warmup, 0/1 Adam's variance steps): the bucket's
    gradients are copied into the optimizer's bucket layout, and as soon as an optimizer bucket
@@ -29,7 +29,7 @@ parameter (the algorithm's :class:`~commopt.optim.early.EarlyPlan`):
 2. **momentum** (1-bit Adam's compression stage): m' = β1·m + (1−β1)·g is computed from the
    bucket's local gradients into a staged momentum, and as soon as every parameter of one of
    the *optimizer's* buckets has been folded, that bucket's compressed exchange runs, on
-   staged error buffers (:mod:`commopt.optim.early`). ``step()`` commits both when every rank
+   staged error buffers (:mod:`commopt.optim._early`). ``step()`` commits both when every rank
    agrees that the step is taken, and drops them when it is skipped (a non-finite gradient on
    any rank). Because the exchange works on the optimizer's buckets, not DDP's, the result is
    bit-identical to the standalone optimizer however DDP buckets the model, and the error
@@ -52,7 +52,7 @@ Semantics to know:
   warmup, as with DDP. In the compression stage the local gradient has already been folded
   into the momentum when backward returns; ``step()`` sees that ``p.grad`` (or β1) changed
   since and redoes the step as the standalone optimizer would, from ``p.grad`` (the same bits;
-  the communication paid twice in that step; :class:`commopt.optim.early._work.EarlyReads`).
+  the communication paid twice in that step; :class:`commopt.optim._early._work.EarlyReads`).
 - **GradScaler** (fp16 loss scaling) cannot be combined with the compression stage: the
   gradient is folded before the scaler unscales it; ``step()`` raises. bf16 autocast needs no
   scaler and works.
@@ -71,9 +71,9 @@ import torch.distributed as dist
 
 from commopt.comm import all_reduce_async
 from commopt.comm.handoff import completed_future, device_future
+from commopt.optim._early import Kind
+from commopt.optim._early._work import after_ddp_backward
 from commopt.optim.base import CompressedOptimizer
-from commopt.optim.early import Kind
-from commopt.optim.early._work import after_ddp_backward
 
 __all__ = ["OnebitHookState", "onebit_hook"]
 
@@ -106,7 +106,7 @@ class OnebitHookState:
        restores ``p.grad = None`` once DDP has finished.
 
     Memory: in the compression stage, per optimizer bucket, a staged momentum and staged error
-    buffers, about (2 + 1/n)·4 bytes per parameter for n ranks (:mod:`commopt.optim.early`).
+    buffers, about (2 + 1/n)·4 bytes per parameter for n ranks (:mod:`commopt.optim._early`).
 
     Args:
         optimizer: a commopt optimizer (:class:`~commopt.OnebitAdam`,

@@ -329,7 +329,7 @@ _ADAM_ERRORS = (
 )
 
 # What the base class checks for every optimizer: torch's empty-list error, the momentum mask,
-# and the overlap switch with its bucket size (commopt.optim.early).
+# and the overlap switch with its bucket size (commopt.optim._early).
 _BASE_ERRORS = (
     ErrorCase({"bucket_numel": 0}, ValueError, r"Invalid bucket_numel: 0 \(must be >= 1\)"),
     ErrorCase({"bucket_numel": 1e6}, TypeError, "bucket_numel must be an int, got float"),

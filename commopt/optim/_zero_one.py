@@ -14,7 +14,7 @@ A sync exchanges
 a = C((p′ − p_sync)⊙(√v̂ + ε)), p′ the parameters after this step's local update, which reads lr,
 weight decay, β1 and ε. With ``overlap=True`` the communication thread does not wait for
 ``step()``: once a bucket's last gradient has been folded into its staged momentum m′
-(:mod:`commopt.optim.early`), it computes the bucket's local update into a *staged* p′ (never
+(:mod:`commopt.optim._early`), it computes the bucket's local update into a *staged* p′ (never
 the parameters), with the hyperparameters as ``param_groups`` hold them at that moment, and runs
 the sync's exchange on staged error buffers; m ← −a/s and p ← p_sync + a/(√v̂ + ε) are staged
 too. It records what it read: every group's hyperparameters (a tensor such as ``exp_avg_mask``
@@ -35,7 +35,7 @@ Memory: the staged p′ (L fp32 per bucket of L elements, the staged-gradient bu
 phase B) on top of the staged m′ and error buffers; at the first phase-B step, a staged copy of
 p_sync as well.
 
-:class:`StagedSync` is 0/1 Adam's :class:`~commopt.optim.early.EarlyPlan`; it runs the
+:class:`StagedSync` is 0/1 Adam's :class:`~commopt.optim._early.EarlyPlan`; it runs the
 algorithm's own steps (:class:`SyncSteps`, handed over by the optimizer), so the staged sync and
 ``step()``'s are one code path.
 """
@@ -50,6 +50,8 @@ import torch
 
 from commopt.choices import StepGuard
 from commopt.compressed import NonFiniteError
+from commopt.optim._early import Kind, StagedBuffers
+from commopt.optim._early._work import EarlyWork
 from commopt.optim.adam import (
     bound_step_,
     guard_limits,
@@ -60,8 +62,6 @@ from commopt.optim.adam import (
     variance_denominator,
     variance_updates,
 )
-from commopt.optim.early import Kind, StagedBuffers
-from commopt.optim.early._work import EarlyWork
 from commopt.optim.flat_state import FlatState, grouped_segments
 
 if TYPE_CHECKING:
@@ -208,7 +208,7 @@ def sync_bucket_(
 
 
 class StagedSync:
-    """0/1 Adam's :class:`~commopt.optim.early.EarlyPlan`: a variance step's average and a
+    """0/1 Adam's :class:`~commopt.optim._early.EarlyPlan`: a variance step's average and a
     1-bit step's gradient exchange may start during backward (DDP hook or overlap); with
     ``overlap=True`` also a sync step, staged. Local steps send nothing; the DDP hook leaves
     syncs to ``step()`` (docs/ddp.md). :meth:`commit` takes a staged sync in ``step()``.

@@ -3,7 +3,7 @@
 Each piece owns its state: buckets, their cohorts and what a resume restores (:mod:`._layout`,
 :mod:`.flat_state`), agreement (:mod:`._agreement`), backend and exchange
 (:mod:`._communication`), freeze point (:mod:`.freeze`), master weights (:mod:`.adam`), config
-(:mod:`.config`), work started during backward (:mod:`.early`). A subclass names its flat keys
+(:mod:`.config`), work started during backward (:mod:`._early`). A subclass names its flat keys
 and implements ``_step(ctx)`` and ``_early_plan(ops)``: the base hands it its collaborators, a
 :class:`StepContext` for each step and the :class:`BucketOps` its early plan exchanges with, and
 the algorithm calls them the way torch's ``Adam`` calls ``adam(...)``."""
@@ -27,6 +27,9 @@ from commopt.exchange import Exchange
 from commopt.notices import log_compression_started, warn_redone, warn_skipped
 from commopt.optim._agreement import GradientAgreement, describe_param, left_untouched
 from commopt.optim._communication import Communication
+from commopt.optim._early import EarlyPlan, Kind
+from commopt.optim._early._thread import CommThread
+from commopt.optim._early._work import EarlyWork, GradientHooks
 from commopt.optim._layout import (
     BucketLayout,
     Cohorts,
@@ -44,9 +47,6 @@ from commopt.optim.adam import (
     unscale_grads_,
 )
 from commopt.optim.config import CommOptions, check_no_scaler_after_early_work, check_param_group
-from commopt.optim.early import EarlyPlan, Kind
-from commopt.optim.early._thread import CommThread
-from commopt.optim.early._work import EarlyWork, GradientHooks
 from commopt.optim.flat_state import FlatState, grouped_segments
 from commopt.optim.freeze import AutoFreeze, FreezePoint
 
@@ -76,7 +76,7 @@ class BucketOps:
         self, state: FlatState, flat: torch.Tensor, errors: dict[str, torch.Tensor] | None = None
     ) -> torch.Tensor:
         """flat ← C(flat): the error-compensated 1-bit average across ranks (SPEC §1), written
-        back, with the bucket's error buffers or ``errors`` (staged copies, :mod:`.early`)."""
+        back, with the bucket's error buffers or ``errors`` (staged copies, :mod:`._early`)."""
         errors = state.comm if errors is None else errors
         return self._comm.compress(flat, errors, self.track_compression_error)
 
@@ -301,7 +301,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
     @property
     def early_work(self) -> EarlyWork:
         """Work a DDP hook or ``overlap=True`` started on the buckets during backward, staged
-        until ``step()`` takes or skips it (:mod:`commopt.optim.early`)."""
+        until ``step()`` takes or skips it (:mod:`commopt.optim._early`)."""
         if self._early is None:
             self._early = EarlyWork(
                 layout=lambda: self.flat_states,

@@ -10,6 +10,7 @@ import torch
 from torch.optim.optimizer import ParamsT
 
 from commopt.comm import Backend
+from commopt.optim._early import Kind, WarmupThenMomentum
 from commopt.optim.adam import (
     guarded_adam_update_,
     momentum_from_grads_,
@@ -26,7 +27,6 @@ from commopt.optim.config import (
     check_comm_keywords,
     configured_by,
 )
-from commopt.optim.early import Kind, WarmupThenMomentum
 from commopt.optim.flat_state import FlatState
 from commopt.optim.freeze import AutoFreezeSettings, auto_settings
 

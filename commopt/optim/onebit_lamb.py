@@ -39,6 +39,7 @@ from commopt.buckets import Bucket, Segment
 from commopt.choices import TrustRatio
 from commopt.comm import Backend
 from commopt.compressed import NonFiniteError
+from commopt.optim._early import Kind, WarmupThenMomentum
 from commopt.optim.adam import (
     bound_step_,
     guarded_elements,
@@ -55,7 +56,6 @@ from commopt.optim.config import (
     check_comm_keywords,
     configured_by,
 )
-from commopt.optim.early import Kind, WarmupThenMomentum
 from commopt.optim.flat_state import FlatState
 from commopt.optim.freeze import AutoFreezeSettings, auto_settings
 

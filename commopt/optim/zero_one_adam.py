@@ -10,6 +10,7 @@ from commopt.comm import Backend
 from commopt.compressed import NonFiniteError
 from commopt.notices import sync_point_not_finite, warn_sync_diverged
 from commopt.optim._agreement import nonfinite_ranks
+from commopt.optim._early import Kind
 from commopt.optim._layout import upgrade_zero_one_groups
 from commopt.optim._zero_one import (
     StagedSync,
@@ -35,7 +36,6 @@ from commopt.optim.config import (
     check_group_joins_phase_a,
     configured_by,
 )
-from commopt.optim.early import Kind
 from commopt.optim.flat_state import FlatState
 from commopt.optim.freeze import AutoFreezeSettings, auto_settings, settled_step
 

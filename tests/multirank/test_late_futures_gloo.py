@@ -7,7 +7,7 @@ replicas diverged that way on CUDA (``CUDA_LAUNCH_BLOCKING=1`` hid it). Here
 :class:`LateFuture` plays that part: completing it with a tensor fills the tensor with NaN (or
 a garbage integer), and only its own ``wait()`` puts the real values back. Every asynchronous
 collective of the backend (:class:`LateBackend`) and every placeholder future of the early work
-(``commopt.optim.early``) is such a future, on 4 forked gloo ranks, for every optimizer ×
+(``commopt.optim._early``) is such a future, on 4 forked gloo ranks, for every optimizer ×
 {standalone, overlap=True, DDP hook at two bucket sizes} (tests/device_matrix.py): a reader
 that takes a value without waiting ends with NaN parameters or differs from standalone.
 
@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import torch
 
-import commopt.optim.early._work as early
+import commopt.optim._early._work as early
 from commopt.comm import TorchBackend
 from tests.device_matrix import check_matrix, run_matrix
 from tests.multirank.harness import run_ranks

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from commopt.optim.early._thread import CommThread
+from commopt.optim._early._thread import CommThread
 
 
 def test_jobs_run_in_ticket_order_not_submission_order():

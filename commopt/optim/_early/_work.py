@@ -1,4 +1,4 @@
-"""The staged early work of one optimizer (overview: :mod:`commopt.optim.early`).
+"""The staged early work of one optimizer (overview: :mod:`commopt.optim._early`).
 
 **What it read** (:class:`EarlyReads`): what ``overlap=True``'s early work read during backward,
 so that ``step()`` can tell whether it still holds (docs/overlap.md, "Changing gradients or β1
@@ -21,7 +21,7 @@ its part of the step's early work starts on the main thread: the gradient is cop
 warmup's staged gradient, or folded into a staged momentum (:class:`EarlyWork`, shared with the
 DDP hook). Once an optimizer bucket is complete, its collective work — the warmup's
 full-precision average, or the compression stage's 1-bit exchange — is queued on the optimizer's
-:class:`~commopt.optim.early._thread.CommThread`, which runs it while backward goes on. The
+:class:`~commopt.optim._early._thread.CommThread`, which runs it while backward goes on. The
 thread runs buckets strictly in the *exchange order* (reverse layout order at first, since
 gradients become ready from the last layer back; from the second step on, the order in which
 rank 0 saw them complete at the first step), so every rank issues the same collectives in the
@@ -46,13 +46,13 @@ import torch
 from commopt.comm import all_reduce_async
 from commopt.comm.handoff import device_future
 from commopt.compressed import NonFiniteError
-from commopt.optim.early import EarlyPlan, Kind, StagedBuffers, StagedWork, fold_param_
-from commopt.optim.early._thread import ExchangeSchedule
+from commopt.optim._early import EarlyPlan, Kind, StagedBuffers, StagedWork, fold_param_
+from commopt.optim._early._thread import ExchangeSchedule
 from commopt.optim.flat_state import FlatState
 
 if TYPE_CHECKING:
     from commopt.optim._communication import Communication
-    from commopt.optim.early._thread import CommThread
+    from commopt.optim._early._thread import CommThread
 
 __all__ = ["EarlyReads", "EarlyWork", "GradientHooks", "after_ddp_backward"]
 

@@ -2,7 +2,7 @@
 collectives in a fixed order beside backward (:class:`CommThread`), and the order the buckets
 are exchanged in (:class:`ExchangeSchedule`).
 
-``overlap=True`` (:class:`~commopt.optim.early._work.GradientHooks`) hands each optimizer bucket's
+``overlap=True`` (:class:`~commopt.optim._early._work.GradientHooks`) hands each optimizer bucket's
 exchange to this thread as soon as the bucket's last gradient has been folded, and backward
 goes on on the main thread. The thread is the only place the step's collectives run until
 ``step()`` has drained it, so the order of collectives on one rank is the order of the thread's
@@ -40,7 +40,7 @@ has drained it.
 **The exchange order** (:class:`ExchangeSchedule`): the staged early work's jobs on the
 communication thread, in a fixed order.
 
-With ``overlap=True`` the staged work of :mod:`commopt.optim.early` starts from per-parameter
+With ``overlap=True`` the staged work of :mod:`commopt.optim._early` starts from per-parameter
 gradient hooks instead of DDP, and the averages and exchanges run on the optimizer's
 communication thread (:class:`CommThread`) in a fixed exchange order: each
 backward pass is a *round* of tickets, one per bucket at its position in that order, and a
@@ -67,7 +67,7 @@ from commopt.comm.channels import on_channel, open_channel
 
 if TYPE_CHECKING:
     from commopt.comm import Backend
-    from commopt.optim.early import StagedWork
+    from commopt.optim._early import StagedWork
     from commopt.optim.flat_state import FlatState
 
 __all__ = ["CommThread", "ExchangeSchedule"]
@@ -105,7 +105,7 @@ class CommThread:
     def __init__(self, name: str = "commopt-comm", cuda: Any = None) -> None:
         self.name = name
         #: the communicator channel the jobs' collectives use (None: the backends' own);
-        #: :class:`~commopt.optim.early._work.EarlyWork` opens it before the first job
+        #: :class:`~commopt.optim._early._work.EarlyWork` opens it before the first job
         self.channel: str | None = None
         #: called once by :meth:`close`, after the thread has stopped
         self.on_close: list[Callable[[], None]] = []
