@@ -75,10 +75,8 @@ def check_finite(backend: Backend, delta: torch.Tensor) -> None:
         raise NonFiniteError(bad)
 
 
-class Fp32Average:
-    """Δ ← (1/n)·Σ Δ_r by one fp32 all-reduce: DiLoCo as published (Douillard et al., 2023)."""
-
-    name = "none"
+class _Stateless:
+    """An average that keeps nothing of its own between syncs, over one backend."""
 
     def __init__(self, backend: Backend) -> None:
         self.backend = backend
@@ -88,6 +86,12 @@ class Fp32Average:
         """No per-rank state."""
         return {}
 
+
+class Fp32Average(_Stateless):
+    """Δ ← (1/n)·Σ Δ_r by one fp32 all-reduce: DiLoCo as published (Douillard et al., 2023)."""
+
+    name = "none"
+
     def average_(self, delta: torch.Tensor, state: dict[str, torch.Tensor]) -> None:
         """Δ ← the fp32 mean of Δ over ranks."""
         check_finite(self.backend, delta)
@@ -95,7 +99,7 @@ class Fp32Average:
             self.backend.all_reduce(delta, "avg")
 
 
-class Bf16Average:
+class Bf16Average(_Stateless):
     r"""Δ ← bf16((1/n)·Σ_r bf16(Δ_r)), the sum in fp32 (module docstring).
 
     With N = L rounded up to a multiple of n and S = N/n, rank j owns slice j: one all-to-all of
@@ -105,14 +109,6 @@ class Bf16Average:
     """
 
     name = "bf16"
-
-    def __init__(self, backend: Backend) -> None:
-        self.backend = backend
-        self.backends = {"global": backend}
-
-    def state_numels(self, numel: int) -> dict[str, int]:
-        """No per-rank state."""
-        return {}
 
     def average_(self, delta: torch.Tensor, state: dict[str, torch.Tensor]) -> None:
         """Δ ← the mean over ranks of Δ rounded to bf16 (summed in fp32)."""
