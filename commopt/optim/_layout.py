@@ -208,16 +208,14 @@ class BucketLayout:
         saved_groups: list[dict[str, Any]],
         loaded: dict[str, Any] | None,
         param_groups: list[dict[str, Any]],
-        param_state: Any,
         bucket_numel: int | None,
         exchange: Exchange,
         backend: Backend,
-        cohorts: Cohorts,
     ) -> None:
         """ValueError now, not at the next step, when the exchange buffers of ``loaded`` (a
         state dict's ``"commopt"`` entry) would not fit the buckets that ``param_groups`` with
-        the ``first_step`` of ``saved_groups`` lay out (the rest: :meth:`lay_out`'s)."""
-        del param_state, cohorts  # (the loaded state's cohorts count, not this optimizer's)
+        the ``first_step`` of ``saved_groups`` and the loaded cohorts lay out (the rest:
+        :meth:`lay_out`'s)."""
         if not restorable_buckets(loaded, backend, exchange.name):
             return
         groups = [

@@ -231,7 +231,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         check_param_group(group, type(self).__name__, self.config, self.defaults)
         group.setdefault("first_step", self.global_state["step"])
         if self._layout.states is not None:
-            self._layout.lay_out(*self._layout_args())
+            self._lay_out()
         if self._hooks.enabled:
             self._hooks.attach(group["params"])
         # (added on some ranks only: the next step's model check fails on every rank alike)
@@ -273,11 +273,16 @@ class CompressedOptimizer(torch.optim.Optimizer):
     def flat_states(self) -> list[FlatState]:
         """One :class:`FlatState` per bucket (laid out at the first use)."""
         states = self._layout.states  # (None: not laid out; [] when nothing has trained yet)
-        return states if states is not None else self._layout.lay_out(*self._layout_args())
+        return states if states is not None else self._lay_out()
 
-    def _layout_args(self) -> tuple[Any, ...]:  # what BucketLayout.lay_out reads, as it is now
-        be, cohorts = self.backend, Cohorts.of(self.global_state)
-        return self.param_groups, self.state, self._bucket_numel, self.exchange, be, cohorts
+    def _lay_out(self) -> list[FlatState]:
+        """The buckets laid out anew, over the groups, state and cohorts as they are now."""
+        groups, numel, cohorts = (
+            self.param_groups,
+            self._bucket_numel,
+            Cohorts.of(self.global_state),
+        )
+        return self._layout.lay_out(groups, self.state, numel, self.exchange, self.backend, cohorts)
 
     def first_step(self, state: FlatState) -> int:
         """The global step before this bucket's parameters joined (0 for the constructor's)."""
@@ -424,7 +429,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
             start_cohorts(self.global_state, late, step)
         if self._early is not None:  # what backward started was for the old buckets: redone
             self._early.clear()
-        return self._layout.lay_out(*self._layout_args())
+        return self._lay_out()
 
     def _skip(self, step: int, why: str, collective: bool) -> None:
         self.global_state["skipped_steps"] += 1  # (warn_skipped says why)
@@ -483,5 +488,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         schedule = self.global_state if comm is None else copy.deepcopy(comm["global"])
         freeze = FreezePoint(self._freeze.value, schedule)  # refuses what cannot continue
         if comm is not None and comm.get("buckets"):  # (the exchange is built only if needed)
-            self._layout.check_loadable(sd["param_groups"], comm, *self._layout_args())
+            groups, numel = self.param_groups, self._bucket_numel
+            args = (groups, numel, self.exchange, self.backend)
+            self._layout.check_loadable(sd["param_groups"], comm, *args)
         return sd, comm, schedule, freeze
