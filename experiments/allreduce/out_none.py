@@ -9,6 +9,7 @@ from :mod:`commopt.output_pool` once the previous result has been dropped.
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
 
@@ -35,6 +36,14 @@ def measure(backend, reps: int) -> dict[str, float]:
     return {kind: round(1e3 * statistics.median(v[1:]), 1) for kind, v in times.items()}
 
 
-if __name__ == "__main__":
-    for rank, row in enumerate(run_ranks(measure, 2, 7, timeout=300)):
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--ranks", type=int, default=2, help="forked gloo ranks (default 2)")
+    parser.add_argument("--reps", type=int, default=7, help="rounds, the first untimed (7)")
+    args = parser.parse_args(argv)
+    for rank, row in enumerate(run_ranks(measure, args.ranks, args.reps, timeout=300)):
         print(f"rank {rank}: {row}")
+
+
+if __name__ == "__main__":
+    main()

@@ -9,6 +9,7 @@ and after the group's first all-reduce of one element (gloo connects lazily). Pr
 size, over 3 groups: the slowest rank's median ms and the largest RSS growth in MB.
 """
 
+import argparse
 import statistics
 import time
 
@@ -40,10 +41,17 @@ def run(backend: commopt.Backend) -> tuple[float, float]:
     return 1e3 * statistics.median(times), max(growth)
 
 
-if __name__ == "__main__":
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4], help="world sizes")
+    args = parser.parse_args(argv)
     print(f"# dist.new_group() on forked gloo ranks, loopback; {describe_machine()}")
-    for n in (2, 4):
+    for n in args.ranks:
         per_rank = run_ranks(run, n, timeout=300)
         ms = max(r[0] for r in per_rank)
         mb = max(r[1] for r in per_rank)
         print(f"{n} ranks: new_group {ms:.1f} ms (slowest rank, median of 3), RSS +{mb:.1f} MB")
+
+
+if __name__ == "__main__":
+    main()

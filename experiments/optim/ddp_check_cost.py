@@ -10,6 +10,7 @@ the digest (``gradient_digest``, found by qualified name: :mod:`experiments.harn
 Step 3 digests nothing: it is the step without the check, measured in the same run.
 """
 
+import argparse
 import cProfile
 import statistics
 import time
@@ -50,8 +51,15 @@ def run(backend: commopt.Backend) -> dict[str, list[float]]:
     }
 
 
-if __name__ == "__main__":
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--rounds", type=int, default=2, help="repeats of the run (default 2)")
+    args = parser.parse_args(argv)
     print(f"# 2 gloo ranks, 25.2M-parameter MLP, OnebitAdam warmup; {describe_machine()}")
-    for _ in range(2):
+    for _ in range(args.rounds):
         r = run_ranks(run, 2, timeout=300)[0]
         print("step() ms for steps 1, 2, 3:", r["step"], "  of which the digest:", r["digest"])
+
+
+if __name__ == "__main__":
+    main()

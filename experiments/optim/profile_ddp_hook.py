@@ -1,7 +1,7 @@
 """Where does the DDP hook's extra time per step go, against the standalone optimizer?
 
     python -m experiments.optim.profile_ddp_hook          # per-step forward/backward/step() ms
-    python -m experiments.optim.profile_ddp_hook prof     # and a cProfile of rank 0
+    python -m experiments.optim.profile_ddp_hook --profile   # and a cProfile of rank 0
 
 Two forked gloo ranks on loopback, the tcp benchmark's 25.2M-parameter WideMLP, 1-bit Adam in
 its compression stage, in one run, twice: the standalone optimizer; DDP with commopt's hook
@@ -12,10 +12,10 @@ option gets it. Prints each mode's median forward/backward/step() ms and its rat
 standalone optimizer of the same round.
 """
 
+import argparse
 import cProfile
 import io
 import pstats
-import sys
 import time
 
 import torch
@@ -76,9 +76,13 @@ MODES = (
 )
 
 
-if __name__ == "__main__":
-    prof = len(sys.argv) > 1
-    for round_ in (1, 2):
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--profile", action="store_true", help="print rank 0's cProfile too")
+    parser.add_argument("--rounds", type=int, default=2, help="repeats of every mode (2)")
+    args = parser.parse_args(argv)
+    prof = args.profile
+    for round_ in range(1, args.rounds + 1):
         print(f"round {round_}: mode, median fwd/bwd/step ms, total, ÷ standalone")
         totals = {}
         for mode in MODES:
@@ -90,3 +94,7 @@ if __name__ == "__main__":
             print(f"  {mode:18s} {parts} {totals[mode]:5d} ms  {ratio:.2f}x")
             if prof:
                 print(r[0][1])
+
+
+if __name__ == "__main__":
+    main()
