@@ -20,8 +20,8 @@ import torch
 
 import commopt
 from commopt.comm import TorchBackend
-from experiments.convergence.tasks import load_task
 from experiments.harness import Setup, describe_machine, launch, replicas_identical, train_on_task
+from experiments.harness.tasks import load_task
 
 __all__ = ["Maker", "plot_curves", "run_variants", "write_table"]
 

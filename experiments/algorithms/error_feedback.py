@@ -23,8 +23,8 @@ import torch
 
 import commopt
 from experiments.algorithms.common import plot_curves, run_variants, write_table
-from experiments.convergence.tasks import DigitsTask
 from experiments.harness import rank_and_size
+from experiments.harness.tasks import DigitsTask
 
 OUT = pathlib.Path(__file__).parent / "results"
 

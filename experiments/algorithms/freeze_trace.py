@@ -36,8 +36,8 @@ import torch.distributed as dist
 import commopt
 from commopt.comm import TorchBackend
 from experiments.convergence.run import DEFAULTS
-from experiments.convergence.tasks import load_task
 from experiments.harness import launch, sum_over_ranks
+from experiments.harness.tasks import load_task
 
 
 class FrozenVAdam:

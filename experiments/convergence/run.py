@@ -16,7 +16,7 @@ Outputs, under ``--out`` (default ``experiments/convergence/results``)/<task>/:
 - ``summary.md``: final metric, total bytes and ratio to Adam, collectives, time per step.
 
 Variants and the byte model: :mod:`experiments.harness.training`. The models, data and split:
-:mod:`experiments.convergence.tasks`.
+:mod:`experiments.harness.tasks`.
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ from typing import Any
 
 import torch.distributed as dist
 
-from experiments.convergence.tasks import TASKS, load_task
 from experiments.harness import (
     Hyper,
     Setup,
@@ -48,6 +47,7 @@ from experiments.harness import (
     sum_over_ranks,
     train_on_task,
 )
+from experiments.harness.tasks import TASKS, load_task
 
 __all__ = [
     "CONVERGENCE_VARIANTS",
@@ -372,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _task_default(task: str, name: str) -> Any:
-    from experiments.convergence.tasks import TASKS
+    from experiments.harness.tasks import TASKS
 
     tasks = list(TASKS) if task == "all" else [task]
     for t in tasks:
@@ -383,7 +383,7 @@ def _task_default(task: str, name: str) -> Any:
 
 
 def load_task_metric(task: str) -> str:
-    from experiments.convergence.tasks import TASKS
+    from experiments.harness.tasks import TASKS
 
     return next(f.default for f in dataclasses.fields(TASKS[task]) if f.name == "metric_name")
 

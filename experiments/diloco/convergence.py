@@ -29,8 +29,8 @@ import sys
 import time
 
 from experiments.convergence.run import DEFAULTS, task_hyper, train_variants
-from experiments.convergence.tasks import load_task
 from experiments.harness import describe_machine, launch
+from experiments.harness.tasks import load_task
 
 __all__ = ["default_variants", "main", "table"]
 

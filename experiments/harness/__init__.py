@@ -1,5 +1,7 @@
 """The experiments' harness: the one rank launcher (:mod:`.ranks`, which the tests use too),
-the optimizer variants and their training loop, their traffic (:mod:`.training`), profiles."""
+the optimizer variants and their training loop, their traffic (:mod:`.training`), the
+convergence tasks (:mod:`.tasks`: the byte-level GPT, the digits CNN) and the small problems of
+the LAMB and 0/1 Adam checks (:mod:`.small_tasks`), profiles (:mod:`.profiling`)."""
 
 from experiments.harness.ranks import launch, run_ranks
 from experiments.harness.training import (

@@ -19,8 +19,8 @@ pytest.importorskip("tqdm", reason="the experiments extra (tqdm) is not installe
 
 from experiments.convergence import run as convergence
 from experiments.convergence import seeds as convergence_seeds
-from experiments.convergence.tasks import load_task
 from experiments.diloco import convergence as diloco_convergence
+from experiments.harness.tasks import load_task
 from experiments.optim import bench_step
 from experiments.tcp import bench as tcp
 from tests.optim_registry import BY_NAME

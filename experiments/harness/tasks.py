@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from experiments.harness import rank_and_size, sum_over_ranks
+from experiments.harness.training import rank_and_size, sum_over_ranks
 
 __all__ = ["TASKS", "DigitsTask", "LMTask", "Task", "TinyGPT", "load_task"]
 
