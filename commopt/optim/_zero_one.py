@@ -192,7 +192,7 @@ def sync_bucket_(
     rank alike, no error buffer changed) if acc is non-finite on any rank."""
     acc.mul_(d)
     ops.exchange(state, acc, errors)
-    ops.mask(state, acc)
+    ops.mask(state, acc, groups)
     for seg in state.bucket.segments:
         if lrs[seg.group] > 0:
             torch.div(acc[seg.slice], -lrs[seg.group], out=m[seg.slice])

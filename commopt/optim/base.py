@@ -14,7 +14,7 @@ import contextlib
 import copy
 import warnings
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -60,14 +60,11 @@ class BucketOps:
 
     Args:
         comm: the optimizer's backend and exchange, which counts the rounds.
-        groups: the optimizer's param groups as they are now (``exp_avg_mask``).
         owner: the optimizer's class name, for the zero-variance warning (once, rank 0).
     """
 
-    def __init__(
-        self, comm: Communication, groups: Callable[[], list[dict[str, Any]]], owner: str
-    ) -> None:
-        self._comm, self._groups = comm, groups
+    def __init__(self, comm: Communication, owner: str) -> None:
+        self._comm = comm
         self._guard = ZeroVarianceGuard(owner)
         #: compute ``comm_stats()["compression_error"]`` (one dot product per compressed call)
         self.track_compression_error = True
@@ -80,9 +77,10 @@ class BucketOps:
         errors = state.comm if errors is None else errors
         return self._comm.compress(flat, errors, self.track_compression_error)
 
-    def mask(self, state: FlatState, flat: torch.Tensor) -> None:
-        """flat ← flat ⊙ exp_avg_mask ⊙ [v ≠ 0], on what a compressed exchange returned."""
-        apply_exp_avg_mask_(flat, state, self._groups())
+    def mask(self, state: FlatState, flat: torch.Tensor, groups: Sequence[dict[str, Any]]) -> None:
+        """flat ← flat ⊙ exp_avg_mask ⊙ [v ≠ 0], on what a compressed exchange returned
+        (``exp_avg_mask`` of each segment's group in ``groups``)."""
+        apply_exp_avg_mask_(flat, state, groups)
         self.discard_zero_variance(state, flat, warn=True)
 
     def discard_zero_variance(self, state: FlatState, flat: torch.Tensor, warn: bool) -> None:
@@ -139,7 +137,7 @@ class StepContext:
 
     def mask(self, state: FlatState, flat: torch.Tensor) -> None:
         """flat ← flat ⊙ exp_avg_mask ⊙ [v ≠ 0] (:meth:`BucketOps.mask`)."""
-        self.ops.mask(state, flat)
+        self.ops.mask(state, flat, self.groups)
 
     def take(self, kind: Kind, state: FlatState) -> torch.Tensor | None:
         """What the early work (a DDP hook, ``overlap=True``) already did of this step's
@@ -187,7 +185,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         #: the step counter and any schedule state the ranks share; saved in ``state_dict()``
         self.global_state: dict[str, Any] = {"step": 0, "skipped_steps": 0}
         self._comm = Communication(backend, config)
-        self._ops = BucketOps(self._comm, lambda: self.param_groups, name)
+        self._ops = BucketOps(self._comm, name)
         self._layout = BucketLayout(name, self._flat_keys, self._lazy_flat_keys, self._scalar_keys)
         self._layout.bucket_per_group = self._bucket_per_group
         numel = config.bucket_numel

@@ -65,6 +65,22 @@ def test_deepcopy_steps_like_the_original(name):
     assert state_dict_diff(opt.state_dict(), twin.state_dict()) == []
 
 
+@pytest.mark.parametrize("name", [info.name for info in OPTIMIZERS])
+def test_a_deepcopy_masks_with_its_own_param_groups(name):
+    # The copy's exchange and mask are its own: a mask changed in the copy's group acts there
+    # and not in the original (the mask once read the param groups through a closure over the
+    # original optimizer, which deepcopy shares).
+    w = torch.nn.Parameter(torch.randn(6))
+    opt = _make(name, [{"params": [w], "exp_avg_mask": torch.ones(6)}], lr=0.01)
+    twin = copy.deepcopy(opt)
+    twin.param_groups[0]["exp_avg_mask"] = torch.zeros(6)
+    w2 = twin.param_groups[0]["params"][0]
+    _steps(opt, [w], 14)
+    _steps(twin, [w2], 14)
+    assert not torch.equal(w, w2)  # the copy's mask held its compressed steps back
+    assert opt.state[w]["exp_avg"].abs().sum() > 0
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_float32_parameters_under_a_float64_default_dtype(name):
     # test_step_respects_default_dtype-like: torch.set_default_dtype(torch.float64) broke fp32
