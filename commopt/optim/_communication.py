@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from commopt.choices import ErrorFeedback, Topology
 from commopt.comm import Backend, resolve_backend
 from commopt.exchange import Exchange, build_exchange
 from commopt.optim.flat_state import FlatState
@@ -43,9 +42,7 @@ class Communication:
         if isinstance(requested, (str, bytes, os.PathLike)):
             resolve_backend(requested)  # raises the TypeError that says how to build one
         self.requested = requested
-        self.topology: Topology = options.topology
-        self.error_feedback: ErrorFeedback = options.error_feedback
-        self.econtrol_eta = options.econtrol_eta
+        self._options = options
         self._backend: Backend | None = None
         self._exchange: Exchange | None = None
         self._rounds = {"full": 0, "compressed": 0}
@@ -73,9 +70,10 @@ class Communication:
         hierarchical exchange of :mod:`commopt.exchange.hierarchical` (``topology``)."""
         if self._exchange is None:
             # one rank has no nodes to tell apart: flat (builds no process groups)
-            topology = self.topology if self.backend.world_size > 1 else "flat"
+            opts = self._options
+            topology = opts.topology if self.backend.world_size > 1 else "flat"
             self._exchange = build_exchange(
-                self.backend, topology, error_feedback=self.error_feedback, eta=self.econtrol_eta
+                self.backend, topology, error_feedback=opts.error_feedback, eta=opts.econtrol_eta
             )
         return self._exchange
 

@@ -149,6 +149,7 @@ class BucketLayout:
         keys: Sequence[str],
         lazy_keys: Sequence[str],
         scalar_keys: Mapping[str, float],
+        bucket_per_group: bool = False,
     ) -> None:
         self.name = name
         self.keys = tuple(keys)
@@ -162,7 +163,7 @@ class BucketLayout:
         self.untrained: frozenset[int] = frozenset()
         #: every param group starts a bucket (0/1 Adam: a sync compresses lr-weighted
         #: updates, so groups of different lr must not share one 1-bit scale)
-        self.bucket_per_group = False
+        self.bucket_per_group = bucket_per_group
 
     def lay_out(
         self,

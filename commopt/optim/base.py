@@ -186,8 +186,8 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self.global_state: dict[str, Any] = {"step": 0, "skipped_steps": 0}
         self._comm = Communication(backend, config)
         self._ops = BucketOps(self._comm, name)
-        self._layout = BucketLayout(name, self._flat_keys, self._lazy_flat_keys, self._scalar_keys)
-        self._layout.bucket_per_group = self._bucket_per_group
+        keys = (self._flat_keys, self._lazy_flat_keys, self._scalar_keys)
+        self._layout = BucketLayout(name, *keys, bucket_per_group=self._bucket_per_group)
         numel = config.bucket_numel
         self._bucket_numel = self._default_bucket_numel if numel is None else numel
         self._agreement = GradientAgreement(name, config)
