@@ -8,7 +8,7 @@ whose rare pseudo-gradient average travels through the same 1-bit exchange.
 import importlib
 from typing import Any
 
-from commopt import ddp
+from commopt import ddp, fsdp
 from commopt._version import __version__ as __version__
 from commopt.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from commopt.comm import Backend, MixedBackend, MpiBackend, SingleProcessBackend, TorchBackend
@@ -47,6 +47,7 @@ __all__ = [
     "destroy_process_group",
     "discover_launch",
     "from_deepspeed_config",
+    "fsdp",
     "init",
     "load_checkpoint",
     "log_comm_stats",

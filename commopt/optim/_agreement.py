@@ -30,6 +30,7 @@ import torch
 
 from commopt.comm import Backend
 from commopt.notices import warn_averaged_already
+from commopt.sharding import local
 
 __all__ = [
     "GradientAgreement",
@@ -250,7 +251,10 @@ def gradient_digest(params: Sequence[torch.Tensor]) -> int:
     h = 0
     for p in params:
         g = p.grad
-        if g is None or g.is_sparse or g.numel() == 0:
+        if g is None or g.is_sparse:
+            continue
+        g = local(g)  # (this rank's shard of a sharded gradient)
+        if g.numel() == 0:
             continue
         h = (h * 1_000_003 + _word_sum(g.detach()) + 1) % (1 << 62)
     return h
@@ -299,7 +303,7 @@ def agree_on_gradients(
             flags[_HEAD + i] = 1
         if g.is_sparse:
             sparse_at = sparse_at or describe(i)
-        elif not nonfinite and not _all_finite(g):
+        elif not nonfinite and not _all_finite(local(g)):
             nonfinite = True
     flags[0], flags[1], flags[2], flags[3] = sparse_at is not None, nonfinite, key, -key
     several = collective and backend.world_size > 1

@@ -19,9 +19,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from commopt.comm import Backend, resolve_backend
-from commopt.exchange import Exchange, build_exchange
+from commopt.comm import Backend, CommStats, resolve_backend
+from commopt.exchange import Exchange, FlatExchange, build_exchange
 from commopt.optim.flat_state import FlatState
+from commopt.sharding import Sharding
 
 if TYPE_CHECKING:
     from commopt.optim.config import CommOptions
@@ -46,6 +47,9 @@ class Communication:
         self._backend: Backend | None = None
         self._exchange: Exchange | None = None
         self._rounds = {"full": 0, "compressed": 0}
+        #: sharded parameters (:mod:`commopt.sharding`): averages and exchanges run over the
+        #: replicate group; None: every rank holds whole parameters
+        self.sharding: Sharding | None = None
         #: (‖e‖², ‖c‖²) of this rank's last compressed call (see :meth:`stats`)
         self.last_compression: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None
 
@@ -68,6 +72,12 @@ class Communication:
     def exchange(self) -> Exchange:
         """How buckets are averaged at one bit: SPEC §1 over :attr:`backend`, or the
         hierarchical exchange of :mod:`commopt.exchange.hierarchical` (``topology``)."""
+        if self._exchange is None and self.sharding is not None:
+            opts = self._options
+            self._exchange = ReplicaExchange(
+                FlatExchange(self.sharding.replicate, opts.error_feedback, opts.econtrol_eta),
+                self.sharding,
+            )
         if self._exchange is None:
             # one rank has no nodes to tell apart: flat (builds no process groups)
             opts = self._options
@@ -77,10 +87,23 @@ class Communication:
             )
         return self._exchange
 
+    def shard_over(self, sharding: Sharding) -> None:
+        """Average and exchange over ``sharding.replicate`` from now on (before any exchange)."""
+        if self._exchange is not None and self.sharding != sharding:
+            raise RuntimeError("the exchange was built already: shard before the first step")
+        self.sharding = sharding
+
+    @property
+    def averaging_backend(self) -> Backend:
+        """Where gradients are averaged: every rank, or the replicas of this rank's shard."""
+        return self.backend if self.sharding is None else self.sharding.replicate
+
     def average(self, flat: torch.Tensor) -> torch.Tensor:
-        """Full-precision average across ranks (warmup and variance steps)."""
-        if self.backend.world_size > 1:
-            self.backend.all_reduce(flat, "avg")
+        """Full-precision average across ranks (warmup and variance steps); over the replicate
+        group when sharded (the shard group averaged the gradient in its reduce-scatter)."""
+        be = self.averaging_backend
+        if be.world_size > 1:
+            be.all_reduce(flat, "avg")
             self._rounds["full"] += 1
         return flat
 
@@ -109,7 +132,7 @@ class Communication:
         ``track_error``: keep what :meth:`stats` needs for ``compression_error``.
         """
         s = self.exchange.allreduce_(flat, comm)
-        if self.backend.world_size > 1:
+        if self.exchange.backend.world_size > 1:
             e = comm.get("worker_error")
             if track_error and s is not None and e is not None:
                 # e is now c − s·sgn(c); ‖c‖² = N·s² by the definition of s (s = ‖c‖/√N).
@@ -135,6 +158,8 @@ class Communication:
         ``exchange_state_numel`` counts this rank's exchange buffers over ``states``.
         """
         stats = self.backend.stats
+        if self.sharding is not None:  # the replicate and shard groups count their own
+            stats = _total(stats, self.sharding.replicate.stats, self.sharding.shard.stats)
         error = None
         if self.last_compression is not None:
             dot, c_sq_t, e, version = self.last_compression
@@ -156,3 +181,40 @@ class Communication:
             "compression_error": error,
             "exchange_state_numel": sum(b.numel() for s in states for b in s.comm.values()),
         }
+
+
+def _total(*parts: CommStats) -> CommStats:
+    """The counts of several backends added up."""
+    total = CommStats()
+    for part in parts:
+        total.calls += part.calls
+        total.bytes_sent += part.bytes_sent
+        for op, n in part.calls_by_op.items():
+            total.calls_by_op[op] = total.calls_by_op.get(op, 0) + n
+        for op, n in part.bytes_by_op.items():
+            total.bytes_by_op[op] = total.bytes_by_op.get(op, 0) + n
+    return total
+
+
+class ReplicaExchange:
+    """SPEC §1 between the replicas of this rank's shard: a :class:`FlatExchange` over the
+    replicate group, on this rank's shard of each bucket. Named after the layout
+    (:attr:`Sharding.name`), since its buffers mean something only there."""
+
+    def __init__(self, inner: FlatExchange, sharding: Sharding) -> None:
+        self._inner = inner
+        self.backend = inner.backend
+        self.name = sharding.name if inner.feedback == "classic" else f"{sharding.name}-econtrol"
+
+    def state_numels(self, numel: int) -> dict[str, int]:
+        """The flat exchange's buffers over the R replicas."""
+        return self._inner.state_numels(numel)
+
+    def allreduce_(
+        self, tensor: torch.Tensor, state: dict[str, torch.Tensor]
+    ) -> torch.Tensor | None:
+        """shard ← C(shard) over the replicas (SPEC §1)."""
+        return self._inner.allreduce_(tensor, state)
+
+    def __repr__(self) -> str:
+        return f"ReplicaExchange({self.name!r}, {self._inner!r})"

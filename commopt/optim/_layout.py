@@ -54,6 +54,7 @@ from commopt.exchange import Exchange
 from commopt.optim.adam import variance_steps_through
 from commopt.optim.config import check_config_change
 from commopt.optim.flat_state import FlatState
+from commopt.sharding import Sharding
 
 __all__ = [
     "BucketLayout",
@@ -173,10 +174,12 @@ class BucketLayout:
         exchange: Exchange,
         backend: Backend,
         cohorts: Cohorts,
+        sharding: Sharding | None = None,
     ) -> list[FlatState]:
         """Buckets and their state; a bucket whose parameters are unchanged keeps its exchange
         buffers, and loaded ones are restored into the new buckets. Parameters never trained
-        get none, and lose what they had (zeros: they never had a gradient)."""
+        get none, and lose what they had (zeros: they never had a gradient). ``sharding``:
+        the parameters are shards (:mod:`commopt.sharding`), and so is their state."""
         keep = {tuple(id(p) for p in s.bucket.params): s for s in self.states or []}
         flat = [p for g in param_groups for p in g["params"]]
         for i in cohorts.untrained:
@@ -184,6 +187,7 @@ class BucketLayout:
                 param_state.pop(flat[i], None)
         states = []
         for bucket in _buckets(param_groups, bucket_numel, self.bucket_per_group, cohorts):
+            bucket.sharding = sharding
             state = FlatState(
                 bucket,
                 param_state,

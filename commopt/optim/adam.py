@@ -432,10 +432,42 @@ def variance_level_of(
     level = VarianceLevel()
     for state in states:
         v = state.flat["exp_avg_sq"]
+        if state.bucket.sharding is not None:
+            level += _sharded_variance_level(state, list(segments(state)), k, corrected)
+            continue
         for seg, group in segments(state):
             bias = 1 - group["betas"][1] ** k if corrected(group) else 1.0
             level += variance_level(seg.views(v), bias)
     return level
+
+
+def _sharded_variance_level(
+    state: FlatState,
+    segments: list[tuple[Segment, dict[str, Any]]],
+    k: int,
+    corrected: Callable[[dict[str, Any]], bool],
+) -> VarianceLevel:
+    """:func:`variance_level_of` for a bucket of shards: each tensor's Σ √v̂ over its shards
+    (float64, added over the shard group), over its whole count, so that every rank of the
+    shard group observes the same level and freezes at the same step."""
+    v, bucket = state.flat["exp_avg_sq"], state.bucket
+    sums, numels, index = [], [], 0
+    for seg, group in segments:
+        bias = 1 - group["betas"][1] ** k if corrected(group) else 1.0
+        for view in seg.views(v):
+            sums.append(view.double().div(bias).sqrt_().sum())
+            numels.append(bucket.tensor_numels[index])
+            index += 1
+    if not sums:
+        return VarianceLevel()
+    total = torch.stack(sums)
+    bucket.sharding.sum_over_shards_(total)  # type: ignore[union-attr]
+    level, count = 0.0, 0
+    for s, n in zip(total.tolist(), numels, strict=True):
+        if n and s > 0:
+            level += math.log(s / n)
+            count += 1
+    return VarianceLevel(level, count)
 
 
 def guard_limits(

@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 import torch
 from torch.optim.optimizer import ParamsT
 
-from commopt.buckets import DEFAULT_BUCKET_NUMEL, Segment
+from commopt.buckets import DEFAULT_BUCKET_NUMEL, Segment, local_shards
 from commopt.comm import Backend
 from commopt.compressed import NonFiniteError
 from commopt.exchange import Exchange
@@ -46,9 +46,15 @@ from commopt.optim.adam import (
     master_weights,
     unscale_grads_,
 )
-from commopt.optim.config import CommOptions, check_no_scaler_after_early_work, check_param_group
+from commopt.optim.config import (
+    CommOptions,
+    check_no_scaler_after_early_work,
+    check_param_group,
+    check_shardable,
+)
 from commopt.optim.flat_state import FlatState, grouped_segments
 from commopt.optim.freeze import AutoFreeze, FreezePoint
+from commopt.sharding import Sharding
 
 __all__ = ["BucketOps", "CompressedOptimizer", "StepContext"]
 
@@ -280,7 +286,35 @@ class CompressedOptimizer(torch.optim.Optimizer):
             self._bucket_numel,
             Cohorts.of(self.global_state),
         )
-        return self._layout.lay_out(groups, self.state, numel, self.exchange, self.backend, cohorts)
+        args = (groups, self.state, numel, self.exchange, self.backend, cohorts)
+        return self._layout.lay_out(*args, sharding=self._comm.sharding)
+
+    # -- sharded parameters (commopt.fsdp) -----------------------------------------------------
+    @property
+    def sharding(self) -> Sharding | None:
+        """The shard and replicate groups of sharded parameters (:meth:`shard_over`); None."""
+        return self._comm.sharding
+
+    def shard_over(self, sharding: Sharding) -> None:
+        """Step sharded parameters (DTensor shards, :mod:`commopt.sharding`): the state takes
+        each parameter's shard, gradients are averaged and exchanged over
+        ``sharding.replicate``, per-tensor sums run over ``sharding.shard``.
+        :func:`commopt.fsdp.attach` calls it; call it before the first step.
+
+        Raises:
+            ValueError: the optimizer has stepped, or uses what has no sharded form yet
+                (``overlap=True``, a DDP hook, ``exp_avg_mask``, non-fp32 sharded parameters,
+                ``topology`` other than ``"flat"``).
+        """
+        name = type(self).__name__
+        refuse = check_shardable(name, self.config, self.global_state, self.param_groups)
+        if refuse is None and (self.overlap or self._early is not None):
+            refuse = "its gradients are already exchanged during backward (overlap or a DDP hook)"
+        if refuse is not None:
+            raise ValueError(f"{name} cannot step sharded parameters: {refuse}")
+        self._comm.shard_over(sharding)
+        self._layout.forget(None)  # laid out anew over the shards
+        self._agreement.forget()
 
     def first_step(self, state: FlatState) -> int:
         """The global step before this bucket's parameters joined (0 for the constructor's)."""
@@ -369,8 +403,9 @@ class CompressedOptimizer(torch.optim.Optimizer):
         collective = self._communicates(step)
         early = self._early  # did what the early work read change? (this rank)
         why = early and (early.mismatch or early.reads.stale(step, self.param_groups))
+        averaged = early is None and self.sharding is None  # (by DDP?) checked at first
         verdict = self._agreement.verdict(  # may_be_averaged (by DDP) without early work, redo
-            self.backend, params, self.param_groups, collective, early is None, why is not None
+            self.backend, params, self.param_groups, collective, averaged, why is not None
         )
         if self._early is not None and (verdict.redo or (why is not None and not collective)):
             # What the early work read changed after backward (on some rank): redo the step
@@ -407,7 +442,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
             ctx = StepContext(
                 step, states, groups, self._ops, self._comm, self._early, self._freeze
             )
-            with left_untouched(untouched, self.state):
+            with left_untouched(untouched, self.state), local_shards(s.bucket for s in states):
                 with master_weights(states, self.state):
                     self._step(ctx)
             if not self._compression_announced and self._comm.compressed_rounds > 0:

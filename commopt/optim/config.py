@@ -565,3 +565,32 @@ def check_no_scaler_after_early_work(name: str, started_early: bool) -> None:
             "GradScaler could unscale them; with the commopt DDP hook or overlap, use bf16 "
             "autocast (no GradScaler) or a static loss scale folded into lr"
         )
+
+
+def check_shardable(
+    name: str, config: CommOptions, schedule: dict[str, Any], groups: list[dict[str, Any]]
+) -> str | None:
+    """Why an optimizer cannot switch to sharded parameters (:mod:`commopt.sharding`) now;
+    None: it can."""
+    if schedule.get("step", 0) > 0:
+        return (
+            f"it has taken {schedule['step']} steps on whole parameters; attach before the "
+            "first step (and load a checkpoint after attaching)"
+        )
+    if config.topology != "flat":
+        return (
+            f"topology={config.topology!r}: with sharded parameters the shard group is the "
+            "node level already (full precision inside it, one bit between replicas); leave "
+            "topology='flat'"
+        )
+    for group in groups:
+        if group.get("exp_avg_mask") is not None:
+            return "exp_avg_mask has no sharded form; remove it from the param group"
+        for p in group["params"]:
+            if p.dtype != torch.float32:
+                return (
+                    f"a {p.dtype} sharded parameter (shape {tuple(p.shape)}): keep the sharded "
+                    "parameters fp32 and compute in low precision with FSDP2's "
+                    "MixedPrecisionPolicy(param_dtype=torch.bfloat16)"
+                )
+    return None

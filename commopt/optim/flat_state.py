@@ -207,15 +207,29 @@ class FlatState:
         key = (v._version, ratio)
         if self._tiny_variance_key != key:
             parts = []
-            for view, offset in zip(self.bucket.views(v), self.bucket.offsets, strict=True):
+            views = self.bucket.views(v)
+            for view, offset, mean in zip(
+                views, self.bucket.offsets, self._means(views), strict=True
+            ):
                 flat = view.reshape(-1)
-                where = (flat < ratio * flat.mean()).nonzero().squeeze(1)
+                where = (flat < ratio * mean).nonzero().squeeze(1)
                 if where.numel():
                     parts.append(where + offset)
             self._tiny_variance = torch.cat(parts) if parts else None
             self._tiny_variance_key = key
             self._tiny_by_range = {}
         return self._tiny_variance
+
+    def _means(self, views: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The mean of each parameter's values in ``views``: of the whole tensor when the bucket
+        holds shards (the shards' sums added over the shard group, over its whole count)."""
+        sharding = self.bucket.sharding
+        if sharding is None:
+            return [view.mean() for view in views]
+        sums = torch.stack([view.sum() for view in views]) if views else torch.zeros(0)
+        sharding.sum_over_shards_(sums)
+        counts = torch.tensor(self.bucket.tensor_numels, dtype=sums.dtype, device=sums.device)
+        return list((sums / counts.clamp(min=1)).unbind())
 
     def tiny_variance_in(self, ratio: float, start: int, stop: int) -> torch.Tensor | None:
         """The indices of :meth:`tiny_variance` in [start, stop), relative to ``start``

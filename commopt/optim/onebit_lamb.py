@@ -386,7 +386,7 @@ class OnebitLamb(CompressedOptimizer):
             )  # commopt's guard (not in the paper)
             if where is not None:
                 bound_step_(u[el], step_bound(self.config.step_guard, group["betas"]), where)
-        factor = per_tensor(torch._foreach_max, bucket.views(ratio), 1.0, m.device)
+        factor = tensor_maxima(bucket, ratio)
         if any(group["weight_decay"] > 0 for _, group in self.segments(state)):
             u0_norm = tensor_norms(bucket, u)
             p = state.gather_params(ratio)
@@ -433,8 +433,23 @@ def per_tensor(
 
 
 def tensor_norms(bucket: Bucket, flat: torch.Tensor) -> torch.Tensor:
-    """‖x_k‖₂ of every tensor k of the bucket (0 for empty tensors)."""
-    return per_tensor(torch._foreach_norm, bucket.views(flat), 0.0, flat.device)
+    """‖x_k‖₂ of every tensor k of the bucket (0 for empty tensors); of the whole tensor when
+    the bucket holds shards (the shards' squared norms summed over the shard group)."""
+    norms = per_tensor(torch._foreach_norm, bucket.views(flat), 0.0, flat.device)
+    if bucket.sharding is None:
+        return norms
+    return bucket.sharding.sum_over_shards_(norms.square()).sqrt()
+
+
+def tensor_maxima(bucket: Bucket, flat: torch.Tensor, empty: float = 1.0) -> torch.Tensor:
+    """max x_k of every tensor k of the bucket (``empty`` for empty tensors); of the whole
+    tensor when the bucket holds shards (the shards' maxima, max-reduced over the shard group,
+    an empty shard contributing nothing)."""
+    if bucket.sharding is None:
+        return per_tensor(torch._foreach_max, bucket.views(flat), empty, flat.device)
+    maxima = per_tensor(torch._foreach_max, bucket.views(flat), -math.inf, flat.device)
+    bucket.sharding.max_over_shards_(maxima)
+    return maxima.masked_fill_(maxima == -math.inf, empty)
 
 
 def scale_tensors_(
@@ -465,7 +480,7 @@ def scaling_coeffs(states: list[FlatState]) -> list[torch.Tensor]:
     rms, sizes = [], []
     for state in states:
         bucket = state.bucket
-        sizes.append(torch.tensor([p.numel() for p in bucket.params], device=bucket.device))
+        sizes.append(torch.tensor(bucket.tensor_numels, device=bucket.device))
         rms.append(tensor_norms(bucket, state.flat["exp_avg"]) / sizes[-1].clamp(min=1).sqrt())
     nonempty = [(r[s > 0]).cpu() for r, s in zip(rms, sizes, strict=True)]
     count = sum(len(r) for r in nonempty)

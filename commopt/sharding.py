@@ -1,0 +1,63 @@
+r"""Parameters sharded S ways inside a group of ranks and replicated R ways across groups.
+
+ZeRO-3 / FSDP keeps 1/S of every parameter, gradient and optimizer state on each of the S ranks
+of a *shard group* (ranks that share a fast link); HSDP repeats that layout on R such groups
+and averages across them over the slow network. An optimizer that steps sharded parameters
+sees only its rank's shard of each tensor (:func:`local`), and needs two groups of ranks:
+
+- the *replicate* group, the R ranks that hold the same shard: where the gradient is averaged
+  at full precision (warmup) and where the 1-bit exchange runs, on this rank's shard alone;
+- the *shard* group, the S ranks that hold one replica between them: where per-tensor
+  quantities (1-bit LAMB's norms) are summed, since each rank has only a piece of a tensor.
+
+:class:`Sharding` names both. :mod:`commopt.fsdp` builds it from an FSDP2 device mesh and hands
+it to the optimizer (``optimizer.shard_over(sharding)``); docs/fsdp.md tells the whole story.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from commopt.comm import Backend
+
+__all__ = ["Sharding", "local"]
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of ``t`` (a DTensor), sharing its storage; ``t`` itself otherwise."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+@dataclasses.dataclass(frozen=True)
+class Sharding:
+    """The two groups a sharded optimizer talks over (see the module docstring).
+
+    Args:
+        replicate: the R ranks holding this rank's shard, one per replica, in replica order.
+        shard: the S ranks holding this rank's replica, in shard order.
+    """
+
+    replicate: Backend
+    shard: Backend
+
+    @property
+    def name(self) -> str:
+        """``"sharded:RxS:i.j"``: R replicas of S shards, this rank replica i's shard j. The
+        exchange's buffers are saved under it: they mean something only in that layout."""
+        r, s = self.replicate, self.shard
+        return f"sharded:{r.world_size}x{s.world_size}:{r.rank}.{s.rank}"
+
+    def sum_over_shards_(self, t: torch.Tensor) -> torch.Tensor:
+        """t ← Σ over the shard group (per-tensor partial sums become whole-tensor sums)."""
+        if self.shard.world_size > 1:
+            self.shard.all_reduce(t, "sum")
+        return t
+
+    def max_over_shards_(self, t: torch.Tensor) -> torch.Tensor:
+        """t ← max over the shard group (per-tensor partial maxima become whole-tensor ones)."""
+        if self.shard.world_size > 1:
+            self.shard.all_reduce(t, "max")
+        return t
