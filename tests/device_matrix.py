@@ -6,7 +6,11 @@ phase) trains the same small GELU MLP in four modes, on per-rank batches:
 - ``standalone``: the optimizer averages the gradients itself;
 - ``overlap``: ``overlap=True``, each bucket's communication started during backward;
 - ``ddp-small`` / ``ddp-large``: a DistributedDataParallel model with ``commopt.ddp.onebit_hook``,
-  DDP buckets of :data:`DDP_SMALL_MB` (one or two parameters each) and of 25 MB (one bucket).
+  DDP buckets of :data:`DDP_SMALL_MB` (one or two parameters each) and of 25 MB (one bucket);
+- ``fsdp``: FSDP2 over a (4, 1) mesh, the optimizer attached with ``commopt.fsdp.attach``:
+  4 replicas of one shard, which is the standalone optimizer bit for bit;
+- ``hsdp``: FSDP2 over the shard dimension of a (2, 2) mesh, 1 bit between the 2 replicas: a
+  computation of its own (full precision inside each shard group), so only 0. and 1. below.
 
 All modes use the same optimizer buckets (``bucket_numel`` = :data:`OPT_BUCKET`, several per
 model), so their results must be bitwise equal. :func:`run_matrix` runs on one rank and returns
@@ -15,7 +19,7 @@ per-step digests of the parameters; :func:`check_matrix` asserts, over every ran
 0. the parameters stay finite;
 1. the replicas are bit-identical after every step that communicates (0/1 Adam's local steps
    excepted, as the registry's phases say);
-2. every mode is bitwise equal to ``standalone`` after every step.
+2. every mode of :data:`SAME_AS_STANDALONE` is bitwise equal to ``standalone`` after every step.
 
 Used by tests/multirank/test_device_logic_gloo.py (4 forked gloo ranks on CPU, the CUDA kernels
 executed on CPU threads, scratch poisoned) and tests/gpu/test_multirank_gpu.py (4 spawned ranks
@@ -33,11 +37,24 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 import commopt
+import commopt.fsdp
 from tests.optim_registry import OPTIMIZERS
 
-__all__ = ["DDP_SMALL_MB", "MODES", "OPT_BUCKET", "check_matrix", "run_matrix"]
+__all__ = [
+    "DDP_SMALL_MB",
+    "MODES",
+    "OPT_BUCKET",
+    "SAME_AS_STANDALONE",
+    "WHOLE_MODES",
+    "check_matrix",
+    "run_matrix",
+]
 
-MODES = ("standalone", "overlap", "ddp-small", "ddp-large")
+#: the modes on whole parameters, and all of them (the sharded ones added)
+WHOLE_MODES = ("standalone", "overlap", "ddp-small", "ddp-large")
+MODES = (*WHOLE_MODES, "fsdp", "hsdp")
+#: the modes bitwise equal to ``standalone`` (2. below)
+SAME_AS_STANDALONE = ("overlap", "ddp-small", "ddp-large", "fsdp")
 DDP_SMALL_MB = 0.004  # ~1000 fp32 elements: DDP buckets of one or two parameters
 OPT_BUCKET = 1500  # optimizer buckets: several per model, the same layout in every mode
 SIZES = (24, 48, 40, 6)  # 24-48-40-6 GELU MLP: 3406 parameters in six tensors
@@ -59,9 +76,34 @@ def _batch(rank: int, step: int, device: torch.device) -> tuple[torch.Tensor, to
     return x.to(device), y.to(device)
 
 
+def _whole(model: torch.nn.Module) -> torch.Tensor:
+    """Every parameter, whole (a sharded one gathered), flat on the CPU."""
+    from torch.distributed.tensor import DTensor
+
+    return torch.cat(
+        [
+            (p.full_tensor() if isinstance(p, DTensor) else p).detach().reshape(-1).cpu()
+            for p in model.parameters()
+        ]
+    )
+
+
 def _digest(model: torch.nn.Module) -> str:
-    flat = torch.cat([p.detach().reshape(-1).cpu() for p in model.parameters()])
-    return hashlib.sha1(flat.numpy().tobytes()).hexdigest()[:16]
+    return hashlib.sha1(_whole(model).numpy().tobytes()).hexdigest()[:16]
+
+
+def _fully_shard(model: torch.nn.Module, device: torch.device, world: int, shards: int) -> Any:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(
+        device.type, (world // shards, shards), mesh_dim_names=("replicate", "shard")
+    )
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh["shard"])
+    fully_shard(model, mesh=mesh["shard"])
+    return mesh
 
 
 def _train(backend: Any, name: str, mode: str, device: torch.device) -> dict[str, Any]:
@@ -74,7 +116,12 @@ def _train(backend: Any, name: str, mode: str, device: torch.device) -> dict[str
     if mode.startswith("ddp"):
         cap = DDP_SMALL_MB if mode == "ddp-small" else 25.0
         net = DistributedDataParallel(model, bucket_cap_mb=cap)
+    mesh = None
+    if mode in ("fsdp", "hsdp"):
+        mesh = _fully_shard(model, device, backend.world_size, 1 if mode == "fsdp" else 2)
     opt = info.make(net.parameters(), **kwargs)
+    if mesh is not None:
+        commopt.fsdp.attach(model, opt, mesh)
     if mode.startswith("ddp"):
         net.register_comm_hook(
             commopt.ddp.OnebitHookState(opt, exchange_in_backward=True), commopt.ddp.onebit_hook
@@ -88,7 +135,7 @@ def _train(backend: Any, name: str, mode: str, device: torch.device) -> dict[str
         opt.step()
         digests.append(_digest(model))
         losses.append(float(loss.detach()))
-    params = torch.cat([p.detach().reshape(-1).cpu() for p in model.parameters()])
+    params = _whole(model)
     del opt, net
     return {"digests": digests, "losses": losses, "params": params}
 
@@ -122,7 +169,7 @@ def check_matrix(results: Sequence[dict[tuple[str, str], dict[str, Any]]]) -> No
             if len(set(got)) != 1:
                 problems.append(f"{name} {mode}: replicas differ after step {step}: {got}")
                 break
-        if mode != "standalone":
+        if mode in SAME_AS_STANDALONE:
             base = [r[(name, "standalone")]["digests"] for r in results]
             mine = [r[(name, mode)]["digests"] for r in results]
             for rank, (b, m) in enumerate(zip(base, mine, strict=True)):

@@ -27,7 +27,7 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("no CUDA GPU visible to torch", allow_module_level=True)
 
-from tests.device_matrix import check_matrix, run_matrix
+from tests.device_matrix import WHOLE_MODES, check_matrix, run_matrix
 from tests.multirank.harness import run_ranks
 
 WORLD = 4
@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _gpu_and_cpu(backend):
     torch.cuda.set_device(0)
-    gpu = run_matrix(backend, "cuda")
+    gpu = run_matrix(backend, "cuda", modes=WHOLE_MODES)
     cpu = run_matrix(backend, "cpu", modes=("standalone",))
     return gpu, cpu
 
@@ -77,3 +77,14 @@ def test_matrix_on_one_gpu_over_mpi_with_host_staging(tmp_path: Path) -> None:
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=TIMEOUT, cwd=ROOT)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     check_matrix(pickle.loads(out.read_bytes()))
+
+
+def _fsdp_on_gpu(backend):
+    torch.cuda.set_device(0)
+    return run_matrix(backend, "cuda", modes=("standalone", "fsdp", "hsdp"))
+
+
+def test_fsdp_modes_on_one_gpu_over_gloo_with_cuda_tensors() -> None:
+    """FSDP2 with CUDA shards (commopt.fsdp): 4 × 1 bitwise equal to standalone, 2 × 2 with
+    bit-identical replicas (gloo's collectives on CUDA tensors, the 4 ranks on one GPU)."""
+    check_matrix(run_ranks(_fsdp_on_gpu, WORLD, timeout=TIMEOUT, start="spawn"))

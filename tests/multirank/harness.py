@@ -59,16 +59,20 @@ EXAMPLE_TIMEOUT = 200.0
 
 
 def run_example_under_torchrun(
-    example: Path, args: Sequence[str], out: Path, env: dict[str, str] | None = None
+    example: Path,
+    args: Sequence[str],
+    out: Path,
+    env: dict[str, str] | None = None,
+    nproc: int = 2,
 ) -> dict[str, Any]:
-    """Run ``example`` on 2 ranks under torchrun with ``--out out`` and return the
+    """Run ``example`` on ``nproc`` ranks under torchrun with ``--out out`` and return the
     ``result.json`` it wrote there; a non-zero exit fails with the end of its output. A run
     still going at :data:`EXAMPLE_TIMEOUT` fails with every rank's Python stacks: each of
     them gets SIGABRT, which faulthandler answers with a dump of all threads (torchrun starts
     its workers in sessions of their own, so they are found through /proc, not the group)."""
     full_env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMI_", "PMIX_"))}
     full_env.update(OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1", **(env or {}))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc)]
     # each rank's stderr also in a file of its own: two ranks' stack dumps interleave on one pipe
     logs = out / "torchrun-logs"
     cmd += ["--log-dir", str(logs), "--redirects", "2", "--tee", "2"]

@@ -24,7 +24,7 @@ import torch
 
 import commopt.optim._early._work as early
 from commopt.comm import TorchBackend
-from tests.device_matrix import check_matrix, run_matrix
+from tests.device_matrix import WHOLE_MODES, check_matrix, run_matrix
 from tests.multirank.harness import run_ranks
 from tests.optim_registry import OPTIMIZERS
 
@@ -72,7 +72,7 @@ class LateBackend:
 
 
 def _body(backend: TorchBackend, name: str):
-    return run_matrix(LateBackend(backend), "cpu", [name])
+    return run_matrix(LateBackend(backend), "cpu", [name], WHOLE_MODES)
 
 
 @pytest.mark.parametrize("name", [i.name for i in OPTIMIZERS])

@@ -270,7 +270,14 @@ def test_the_helper_checker_finds_one(tmp_path: pathlib.Path) -> None:
 
 #: the public integration points, which take a user's optimizer by design (the issue's list,
 #: plus the DeepSpeed config export and the monitor, whose hook has torch's signature)
-TAKES_THE_OPTIMIZER = {"ddp.py", "lightning.py", "checkpoint", "deepspeed_compat.py", "monitor.py"}
+TAKES_THE_OPTIMIZER = {
+    "ddp.py",
+    "fsdp.py",
+    "lightning.py",
+    "checkpoint",
+    "deepspeed_compat.py",
+    "monitor.py",
+}
 _OPTIMIZERS = {"CompressedOptimizer", "DiLoCo", *BY_NAME}
 
 

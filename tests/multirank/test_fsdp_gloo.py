@@ -1,0 +1,359 @@
+"""commopt's optimizers on FSDP2 shards (``commopt.fsdp``), on forked gloo ranks.
+
+R replicas × S shards is the data-parallel computation of ``topology="hierarchical"`` with nodes
+of S ranks: full precision inside a shard group, one bit between replicas. With S = 1 it is the
+flat optimizer. Why the 2 × 2 comparison is close but not bit for bit: FSDP2 averages the
+gradient inside the shard group (reduce-scatter) before the momentum fold, the hierarchical
+exchange averages the momentum after it (the same by linearity, in another rounding order), and
+the warmup's average is a reduce-scatter then an all-reduce instead of one all-reduce; 1-bit
+LAMB's norms are sums of shard norms. Hence ≤ 1e-6 relative (to the largest parameter) per step
+taken. 0/1 Adam's local steps differ by design: a replica steps on its shard group's mean
+gradient, where a hierarchical rank steps on its own, so the comparison ends at its first local
+step.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+import tempfile
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from tests.multirank.harness import run_ranks
+from tests.optim_registry import BY_NAME, OPTIMIZERS
+
+TIMEOUT = 240.0
+STEPS = 20
+D = 32
+
+
+def _mlp(widths: tuple[int, ...] = (D, D, D, D), bias: bool = False) -> nn.Sequential:
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for i, (a, b) in enumerate(itertools.pairwise(widths)):
+        layers += [nn.Tanh()] if i else []
+        layers.append(nn.Linear(a, b, bias=bias))
+    return nn.Sequential(*layers)
+
+
+def _sharded(model: nn.Module, replicas: int, shards: int):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (replicas, shards), mesh_dim_names=("replicate", "shard"))
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh["shard"])
+    fully_shard(model, mesh=mesh["shard"])
+    return model, mesh
+
+
+def _batch(step: int, width: int = D, out: int = D) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + dist.get_rank())
+    return torch.randn(8, width, generator=g), torch.randn(8, out, generator=g)
+
+
+def _train_step(model: nn.Module, opt: torch.optim.Optimizer, step: int) -> None:
+    x, y = _batch(step, model[0].in_features, model[-1].out_features)
+    ((model(x) - y) ** 2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _gathered(model: nn.Module) -> list[torch.Tensor]:
+    return [p.full_tensor().detach().clone() for p in model.parameters()]
+
+
+def _same_across_replicas(model: nn.Module, sharding) -> bool:
+    """Every shard bit-identical on the R ranks holding it (one all-reduce of flags)."""
+    local = torch.cat([p.to_local().detach().reshape(-1) for p in model.parameters()])
+    gathered = [torch.empty_like(local) for _ in range(sharding.replicate.world_size)]
+    dist.all_gather(gathered, local, group=sharding.replicate.group)
+    return all(torch.equal(g, local) for g in gathered)
+
+
+def _against_reference(backend, shards: int):
+    """Each optimizer, sharded S ways on 4 // S replicas, against the same optimizer on whole
+    parameters (hierarchical with nodes of S ranks; flat when S = 1), step by step."""
+    import commopt.fsdp
+
+    del backend
+    rank, replicas = dist.get_rank(), 4 // shards
+    os.environ.update(LOCAL_RANK=str(rank % shards), LOCAL_WORLD_SIZE=str(shards))
+    os.environ.update(GROUP_RANK=str(rank // shards))
+    out = {}
+    for info in OPTIMIZERS:
+        ref = _mlp()
+        mode = "hierarchical" if shards > 1 else "standalone"
+        # one parameter per bucket on both sides, so a rank's hierarchical slice is its shard
+        ref_opt = info.make(list(ref.parameters()), mode=mode, backward=True, bucket_numel=D * D)
+        model, mesh = _sharded(_mlp(), replicas, shards)
+        opt = info.make(list(model.parameters()), backward=True, bucket_numel=D * D // shards)
+        sharding = commopt.fsdp.attach(model, opt, mesh)
+        diffs, replicas_equal = [], []
+        for step in range(1, STEPS + 1):
+            _train_step(ref, ref_opt, step)
+            _train_step(model, opt, step)
+            whole = [p.detach() for p in ref.parameters()]
+            top = max(float(w.abs().max()) for w in whole)
+            diffs.append(
+                max(
+                    float((w - s).abs().max()) for w, s in zip(whole, _gathered(model), strict=True)
+                )
+                / top
+            )
+            replicas_equal.append(_same_across_replicas(model, sharding))
+        stats = opt.comm_stats()
+        out[info.name] = (diffs, replicas_equal, opt.exchange.name, stats["compressed_rounds"])
+    return out
+
+
+def _first_local_step(info) -> float:
+    return min(
+        (s for ph in info.phases(STEPS, backward=True) if not ph.communicates for s in ph.steps),
+        default=math.inf,
+    )
+
+
+@pytest.fixture(scope="module")
+def two_by_two():
+    return run_ranks(_against_reference, 4, 2, timeout=TIMEOUT)
+
+
+@pytest.mark.parametrize("info", OPTIMIZERS, ids=repr)
+def test_two_by_two_equals_hierarchical_within_rounding(two_by_two, info) -> None:
+    first_local = _first_local_step(info)
+    for rank, result in enumerate(two_by_two):
+        diffs, replicas_equal, name, compressed = result[info.name]
+        assert name == f"sharded:2x2:{rank // 2}.{rank % 2}"
+        assert compressed > 0
+        for step, diff in enumerate(diffs, 1):
+            if step < first_local:
+                assert diff <= 1e-6 * step, (rank, step, diffs)
+        phases = info.phases(STEPS, backward=True)
+        communicating = {s for ph in phases if ph.communicates for s in ph.steps}
+        for step, equal in enumerate(replicas_equal, 1):
+            if step in communicating:
+                assert equal, f"replicas differ after step {step} on rank {rank}"
+
+
+@pytest.fixture(scope="module")
+def four_by_one():
+    return run_ranks(_against_reference, 4, 1, timeout=TIMEOUT)
+
+
+@pytest.mark.parametrize("info", OPTIMIZERS, ids=repr)
+def test_one_shard_per_replica_is_the_flat_optimizer_bit_for_bit(four_by_one, info) -> None:
+    # Bit for bit: S = 1 has no reduce-scatter to reorder, and the replicate group holds
+    # the ranks of the flat exchange in the same order.
+    for rank, result in enumerate(four_by_one):
+        diffs, _, name, _ = result[info.name]
+        assert name == f"sharded:4x1:{rank}.0"
+        assert diffs == [0.0] * STEPS
+
+
+def _resume(backend, name: str, path: str):
+    """Save at step 4, then: go on; load at the same mesh and go on; load at 4 × 1."""
+    import commopt.fsdp
+
+    del backend
+    info = BY_NAME[name]
+
+    def build(replicas, shards):
+        model, mesh = _sharded(_mlp((D, D, D), bias=True), replicas, shards)
+        opt = info.make(list(model.parameters()), backward=True)
+        commopt.fsdp.attach(model, opt, mesh)
+        return model, opt
+
+    def moments(opt):
+        sd = commopt.fsdp.optimizer_state_dict(opt)["state"]
+        values = [v for i in sorted(sd) for _, v in sorted(sd[i].items())]
+        return [v.full_tensor() if isinstance(v, DTensor) else v.clone() for v in values]
+
+    model, opt = build(2, 2)
+    for step in range(1, 5):
+        _train_step(model, opt, step)
+    commopt.fsdp.save_checkpoint(path, model, opt)
+    saved = _gathered(model), moments(opt), dict(opt.global_state)
+    for step in range(5, 9):
+        _train_step(model, opt, step)
+    straight = _gathered(model)
+
+    model2, opt2 = build(2, 2)
+    commopt.fsdp.load_checkpoint(path, model2, opt2)
+    for step in range(5, 9):
+        _train_step(model2, opt2, step)
+    resumed = _gathered(model2)
+
+    model3, opt3 = build(4, 1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        commopt.fsdp.load_checkpoint(path, model3, opt3)
+    resharded = _gathered(model3), moments(opt3), dict(opt3.global_state)
+    messages = [str(w.message) for w in caught if "exchange buffers" in str(w.message)]
+    return saved, straight, resumed, resharded, messages
+
+
+@pytest.mark.parametrize("info", OPTIMIZERS, ids=repr)
+def test_dcp_resume_is_bit_exact_and_reshards_the_moments(info) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        results = run_ranks(_resume, 4, info.name, os.path.join(tmp, "ckpt"), timeout=TIMEOUT)
+    for saved, straight, resumed, resharded, messages in results:
+        assert all(torch.equal(a, b) for a, b in zip(straight, resumed, strict=True))
+        (params, moments, schedule), (params2, moments2, schedule2) = saved, resharded
+        assert all(torch.equal(a, b) for a, b in zip(params, params2, strict=True))
+        assert len(moments) == len(moments2)
+        assert all(torch.equal(a, b) for a, b in zip(moments, moments2, strict=True))
+        assert schedule == schedule2
+        assert len(messages) == 1 and "start from zero" in messages[0]
+
+
+def _ragged(backend, name: str, overrides: dict):
+    """Shards of unequal length, and empty ones (a 1-row weight on 2 shards), in buckets capped
+    at 200 elements; attached without the mesh."""
+    import commopt.fsdp
+
+    del backend
+    model, _ = _sharded(_mlp((D, 31, 1), bias=True), 2, 2)
+    opt = BY_NAME[name].make(list(model.parameters()), backward=True, **overrides)
+    sharding = commopt.fsdp.attach(model, opt)  # (no mesh: the replicate groups are found)
+    before = _gathered(model)
+    equal = []
+    for step in range(1, 13):
+        _train_step(model, opt, step)
+        equal.append(_same_across_replicas(model, sharding))
+    moved = all(not torch.equal(a, b) for a, b in zip(before, _gathered(model), strict=True))
+    scalars = [  # per-tensor state (1-bit LAMB's factors and coefficients): whole-tensor values
+        (k, v.clone()) for p in model.parameters() for k, v in opt.state[p].items() if v.dim() == 0
+    ]
+    return equal, moved, scalars, len(opt.flat_states), (opt.frozen_after(), opt.global_state)
+
+
+@pytest.mark.parametrize("info", OPTIMIZERS, ids=repr)
+def test_uneven_and_empty_shards_train_with_identical_replicas(info) -> None:
+    phases = info.phases(12, backward=True)
+    communicating = {s for ph in phases if ph.communicates for s in ph.steps}
+    results = run_ranks(_ragged, 4, info.name, {"bucket_numel": 200}, timeout=TIMEOUT)
+    for equal, moved, scalars, buckets, _ in results:
+        assert moved
+        assert all(e for step, e in enumerate(equal, 1) if step in communicating)
+        # every shard rank laid out the same buckets and holds the same per-tensor values
+        assert buckets == results[0][3] > 1
+        assert [k for k, _ in scalars] == [k for k, _ in results[0][2]]
+        assert all(torch.equal(a, b) for (_, a), (_, b) in zip(scalars, results[0][2], strict=True))
+
+
+def test_automatic_freeze_decides_alike_on_every_shard() -> None:
+    # The variance level sums each tensor over its shards: shard ranks freeze at one step.
+    from commopt.optim.freeze import AutoFreezeSettings
+
+    info = BY_NAME["OnebitAdam"]
+    auto = {"freeze_step": AutoFreezeSettings(min_step=3, max_step=11, threshold=0.5)}
+    results = run_ranks(_ragged, 4, info.name, auto, timeout=TIMEOUT)
+    frozen, schedule = results[0][4]
+    assert frozen < 11  # decided by the level, not by max_step
+    assert all(r[4] == (frozen, schedule) for r in results)  # levels recorded alike
+
+
+def _state_bytes(backend, shards: int) -> int:
+    """This rank's optimizer state (every state tensor and exchange buffer), in bytes."""
+    import commopt.fsdp
+
+    del backend
+    model, mesh = _sharded(_mlp((64, 64, 64, 64)), dist.get_world_size() // shards, shards)
+    opt = BY_NAME["OnebitAdam"].make(list(model.parameters()))
+    commopt.fsdp.attach(model, opt, mesh)
+    _train_step(model, opt, 1)
+    storages = {}
+    for state in opt.flat_states:
+        for t in [*state.flat.values(), *state.comm.values()]:
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(storages.values())
+
+
+def test_state_per_rank_is_divided_by_the_shard_count() -> None:
+    whole = run_ranks(_state_bytes, 2, 1, timeout=TIMEOUT)  # 2 replicas × 1 shard
+    halves = run_ranks(_state_bytes, 4, 2, timeout=TIMEOUT)  # 2 replicas × 2 shards
+    assert len(set(whole)) == 1
+    for nbytes in halves:
+        assert nbytes <= 1.05 * whole[0] / 2
+
+
+def _refusals(backend):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import commopt
+    import commopt.fsdp
+
+    del backend
+    errors = {}
+
+    def attempt(key, fn):
+        try:
+            fn()
+        except (TypeError, ValueError) as e:
+            errors[key] = (type(e).__name__, str(e))
+
+    plain = _mlp()
+    attempt("not fsdp", lambda: commopt.fsdp.attach(plain, commopt.OnebitAdam(plain.parameters())))
+    model, mesh = _sharded(_mlp(), 2, 2)
+    attempt(
+        "torch optimizer", lambda: commopt.fsdp.attach(model, torch.optim.AdamW(model.parameters()))
+    )
+    attempt(
+        "hierarchical",
+        lambda: commopt.fsdp.attach(
+            model, commopt.OnebitAdam(model.parameters(), topology="hierarchical"), mesh
+        ),
+    )
+    attempt(
+        "overlap",
+        lambda: commopt.fsdp.attach(
+            model, commopt.OnebitAdam(model.parameters(), overlap=True), mesh
+        ),
+    )
+    stepped = commopt.OnebitAdam(model.parameters())
+    _train_step(model, stepped, 1)
+    attempt("stepped", lambda: commopt.fsdp.attach(model, stepped, mesh))
+
+    native = _mlp()
+    for layer in native:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(native, mesh=mesh)
+    attempt(
+        "native hsdp", lambda: commopt.fsdp.attach(native, commopt.OnebitAdam(native.parameters()))
+    )
+
+    flat_mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("shard",))
+    pure = _mlp()
+    for layer in pure:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=flat_mesh)
+    fully_shard(pure, mesh=flat_mesh)
+    attempt("pure fsdp", lambda: commopt.fsdp.attach(pure, commopt.OnebitAdam(pure.parameters())))
+    return errors
+
+
+def test_clear_errors() -> None:
+    errors = run_ranks(_refusals, 4, timeout=TIMEOUT)[0]
+    expected = {
+        "not fsdp": ("TypeError", "not FSDP2-wrapped"),
+        "torch optimizer": ("TypeError", "needs a commopt optimizer"),
+        "hierarchical": ("ValueError", "leave topology='flat'"),
+        "overlap": ("ValueError", "during backward"),
+        "stepped": ("ValueError", "attach before the first step"),
+        "native hsdp": ("ValueError", "native HSDP"),
+        "pure fsdp": ("ValueError", "nothing to average at one bit"),
+    }
+    assert set(errors) == set(expected), errors
+    for key, (kind, text) in expected.items():
+        assert errors[key][0] == kind and text in errors[key][1], (key, errors[key])
