@@ -42,7 +42,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from commopt.comm import TorchBackend
+from commopt.comm import Backend, MpiBackend, TorchBackend
+from commopt.faults import watch_like
 from commopt.optim.base import CompressedOptimizer
 from commopt.sharding import Sharding
 
@@ -126,11 +127,30 @@ def attach(
             f"commopt.fsdp.attach: the optimizer's backend has {backend.world_size} ranks, the "
             f"mesh {size}; give the optimizer the default (whole-job) backend"
         )
-    sharding = Sharding(
-        replicate=TorchBackend(replicate), shard=TorchBackend(shard_mesh.get_group())
-    )
+    sharding = _sharding(backend, replicate, shard_mesh.get_group())
     optimizer.shard_over(sharding)
     return sharding
+
+
+def _sharding(backend: Backend, replicate: dist.ProcessGroup, shard: dist.ProcessGroup) -> Sharding:
+    """The two groups on the optimizer's kind of backend, watched as it is: torch's process
+    groups, or (an MpiBackend) its communicator split alike: by shard index for the
+    replicas, by replica index for the shards, ranked by the other index."""
+    i, j = dist.get_rank(replicate), dist.get_rank(shard)  # (replica i, shard j)
+    if isinstance(backend, MpiBackend):
+        cuda_aware = backend.cuda_aware
+        pair: tuple[Backend, Backend] = (
+            MpiBackend(backend.comm.Split(j, i), cuda_aware=cuda_aware),
+            MpiBackend(backend.comm.Split(i, j), cuda_aware=cuda_aware),
+        )
+    elif isinstance(backend, TorchBackend):
+        pair = TorchBackend(replicate), TorchBackend(shard)
+    else:
+        raise TypeError(
+            f"commopt.fsdp.attach: the optimizer's backend is a {type(backend).__name__}; "
+            "sharding needs a TorchBackend or an MpiBackend over the whole job"
+        )
+    return Sharding(replicate=watch_like(backend, pair[0]), shard=watch_like(backend, pair[1]))
 
 
 def _replicate_group(shard_mesh: DeviceMesh) -> dist.ProcessGroup:
