@@ -69,6 +69,19 @@ class Bucket:
         """A zero flat buffer of the bucket's length."""
         return torch.zeros(self.numel, dtype=dtype, device=self.device)
 
+    def stand_in(
+        self, proxies: dict[int, torch.Tensor]
+    ) -> tuple[list[torch.Tensor], list[Segment]]:
+        """Replace parameters by stand-ins (``id(p)`` → tensor) in ``params`` and the segments;
+        returns the ``(params, segments)`` to put back."""
+        old = self.params, self.segments
+        self.params = [proxies.get(id(p), p) for p in self.params]
+        self.segments = [
+            dataclasses.replace(seg, params=tuple(proxies.get(id(p), p) for p in seg.params))
+            for seg in self.segments
+        ]
+        return old
+
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """One view of ``flat`` per parameter, shaped like it."""
         return [
@@ -145,16 +158,11 @@ def local_shards(buckets: Iterable[Bucket]) -> Iterator[None]:
                 proxy = shard.view(shard.shape)  # a fresh leaf: its .grad is ours to set
                 proxy.grad = None if p.grad is None else local(p.grad)
                 proxies[id(p)] = proxy
-        swapped.append((bucket, bucket.params, bucket.segments))
-        bucket.params = [proxies.get(id(p), p) for p in bucket.params]
-        bucket.segments = [
-            dataclasses.replace(seg, params=tuple(proxies.get(id(p), p) for p in seg.params))
-            for seg in bucket.segments
-        ]
+        swapped.append((bucket, bucket.stand_in(proxies)))
     try:
         yield
     finally:
-        for bucket, params, segments in swapped:
+        for bucket, restore in swapped:
             for proxy in bucket.params:
                 proxy.grad = None
-            bucket.params, bucket.segments = params, segments
+            bucket.params, bucket.segments = restore

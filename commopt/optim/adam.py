@@ -70,7 +70,6 @@ resumed run continues from the unrounded weights); the parameter itself is its r
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import math
 from collections.abc import Callable, Iterable, Iterator, MutableMapping, Sequence
@@ -498,7 +497,7 @@ def master_weights(
     The parameter itself is never touched inside: swapping its ``.data`` to another dtype would
     drop the gradient-accumulator hooks DDP registered on it (and DDP would wait at the next
     step for gradients that never come)."""
-    swapped: list[tuple[Bucket, list[torch.Tensor], list[Segment]]] = []
+    swapped: list[tuple[Bucket, tuple[list[torch.Tensor], list[Segment]]]] = []
     rounding: list[tuple[torch.Tensor, torch.Tensor]] = []
     for state in states:
         bucket = state.bucket
@@ -517,17 +516,12 @@ def master_weights(
                 view.grad = p.grad.to(torch.float32)
             proxies[id(p)] = view
             rounding.append((p, view))
-        swapped.append((bucket, bucket.params, bucket.segments))
-        bucket.params = [proxies.get(id(p), p) for p in bucket.params]
-        bucket.segments = [
-            dataclasses.replace(seg, params=tuple(proxies.get(id(p), p) for p in seg.params))
-            for seg in bucket.segments
-        ]
+        swapped.append((bucket, bucket.stand_in(proxies)))
     try:
         yield
     finally:
-        for bucket, params, segments in swapped:
-            bucket.params, bucket.segments = params, segments
+        for bucket, restore in swapped:
+            bucket.params, bucket.segments = restore
         with torch.no_grad():
             for p, view in rounding:
                 p.copy_(view)
