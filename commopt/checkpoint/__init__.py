@@ -88,6 +88,17 @@ def _backend_of(optimizer: torch.optim.Optimizer, backend: Backend | None) -> Ba
     return be if be is not None else resolve_backend(None)
 
 
+def _refuse_sharded(optimizer: torch.optim.Optimizer, what: str) -> None:
+    """CheckpointError (on every rank: they all step shards) for an optimizer of FSDP2 shards,
+    whose state this format, written once where ranks agree, would not keep per shard."""
+    if getattr(optimizer, "sharding", None) is not None:
+        raise CheckpointError(
+            f"{what}: this {type(optimizer).__name__} steps FSDP2 shards (commopt.fsdp); save "
+            "and load it with commopt.fsdp.save_checkpoint / commopt.fsdp.load_checkpoint "
+            "(torch.distributed.checkpoint), which keep each shard's state"
+        )
+
+
 def _agree_ok(be: Backend, ok: bool) -> list[int]:
     """All ranks learn which ranks failed (one all-gather). Returns the failed ranks."""
     if be.world_size == 1:
@@ -131,6 +142,7 @@ def save_checkpoint(
             raised on every rank, naming the ranks. The previous checkpoint at ``path`` is
             left as it was.
     """
+    _refuse_sharded(optimizer, "save_checkpoint")
     be = _backend_of(optimizer, backend)
     rank, n = be.rank, be.world_size
     path = os.path.normpath(os.fspath(path))  # "ckpt/" is "ckpt": the staging is "ckpt.tmp"
@@ -316,6 +328,7 @@ def load_checkpoint(
             state the optimizer refuses (another schedule, another ``bucket_numel``) — on every
             rank, with the failing rank's reason.
     """
+    _refuse_sharded(optimizer, "load_checkpoint")
     be = _backend_of(optimizer, backend)
     rank, n = be.rank, be.world_size
     path = os.path.normpath(os.fspath(path))

@@ -320,6 +320,12 @@ def _refusals(backend):
             model, commopt.OnebitAdam(model.parameters(), overlap=True), mesh
         ),
     )
+    attached = commopt.OnebitAdam(model.parameters())
+    commopt.fsdp.attach(model, attached, mesh)
+    try:
+        commopt.save_checkpoint(tempfile.mkdtemp(), model, attached)
+    except commopt.CheckpointError as e:
+        errors["commopt checkpoint"] = ("CheckpointError", str(e))
     stepped = commopt.OnebitAdam(model.parameters())
     _train_step(model, stepped, 1)
     attempt("stepped", lambda: commopt.fsdp.attach(model, stepped, mesh))
@@ -353,6 +359,7 @@ def test_clear_errors() -> None:
         "stepped": ("ValueError", "attach before the first step"),
         "native hsdp": ("ValueError", "native HSDP"),
         "pure fsdp": ("ValueError", "nothing to average at one bit"),
+        "commopt checkpoint": ("CheckpointError", "commopt.fsdp.save_checkpoint"),
     }
     assert set(errors) == set(expected), errors
     for key, (kind, text) in expected.items():
