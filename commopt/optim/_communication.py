@@ -88,10 +88,10 @@ class Communication:
         return self._exchange
 
     def shard_over(self, sharding: Sharding) -> None:
-        """Average and exchange over ``sharding.replicate`` from now on (before any exchange)."""
-        if self._exchange is not None and self.sharding != sharding:
-            raise RuntimeError("the exchange was built already: shard before the first step")
+        """Average and exchange over ``sharding.replicate`` from now on (the optimizer has not
+        stepped: an exchange built already holds no state, and is built anew)."""
         self.sharding = sharding
+        self._exchange = None
 
     @property
     def averaging_backend(self) -> Backend:

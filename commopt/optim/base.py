@@ -51,6 +51,7 @@ from commopt.optim.config import (
     check_no_scaler_after_early_work,
     check_param_group,
     check_shardable,
+    refuse_unattached_shards,
 )
 from commopt.optim.flat_state import FlatState, grouped_segments
 from commopt.optim.freeze import AutoFreeze, FreezePoint
@@ -286,6 +287,8 @@ class CompressedOptimizer(torch.optim.Optimizer):
             self._bucket_numel,
             Cohorts.of(self.global_state),
         )
+        if self._comm.sharding is None:
+            refuse_unattached_shards(type(self).__name__, groups)
         args = (groups, self.state, numel, self.exchange, self.backend, cohorts)
         return self._layout.lay_out(*args, sharding=self._comm.sharding)
 

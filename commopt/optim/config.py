@@ -574,8 +574,8 @@ def check_shardable(
     None: it can."""
     if schedule.get("step", 0) > 0:
         return (
-            f"it has taken {schedule['step']} steps on whole parameters; attach before the "
-            "first step (and load a checkpoint after attaching)"
+            f"it has taken {schedule['step']} steps already; attach before the first step "
+            "(and load a checkpoint after attaching)"
         )
     if config.topology != "flat":
         return (
@@ -594,3 +594,19 @@ def check_shardable(
                     "MixedPrecisionPolicy(param_dtype=torch.bfloat16)"
                 )
     return None
+
+
+def refuse_unattached_shards(name: str, groups: list[dict[str, Any]]) -> None:
+    """ValueError for sharded parameters (DTensors) the optimizer was not told about: it would
+    average one rank's shard with other ranks' different shards, a silent wrong answer."""
+    from torch.distributed.tensor import DTensor
+
+    for group in groups:
+        for p in group["params"]:
+            if isinstance(p, DTensor):
+                raise ValueError(
+                    f"{name}: its parameters are sharded (DTensor, e.g. FSDP2's fully_shard; "
+                    f"placements {tuple(p.placements)}): call commopt.fsdp.attach(model, "
+                    "optimizer, mesh) before the first step, so that it averages each shard "
+                    "with its replicas only (docs/fsdp.md)"
+                )

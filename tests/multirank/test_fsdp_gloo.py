@@ -326,7 +326,11 @@ def _refusals(backend):
         commopt.save_checkpoint(tempfile.mkdtemp(), model, attached)
     except commopt.CheckpointError as e:
         errors["commopt checkpoint"] = ("CheckpointError", str(e))
+    unattached = commopt.OnebitAdam(model.parameters())
+    attempt("unattached", lambda: _train_step(model, unattached, 1))
+    unattached.zero_grad()
     stepped = commopt.OnebitAdam(model.parameters())
+    commopt.fsdp.attach(model, stepped, mesh)
     _train_step(model, stepped, 1)
     attempt("stepped", lambda: commopt.fsdp.attach(model, stepped, mesh))
 
@@ -357,6 +361,7 @@ def test_clear_errors() -> None:
         "hierarchical": ("ValueError", "leave topology='flat'"),
         "overlap": ("ValueError", "during backward"),
         "stepped": ("ValueError", "attach before the first step"),
+        "unattached": ("ValueError", "call commopt.fsdp.attach(model, optimizer, mesh)"),
         "native hsdp": ("ValueError", "native HSDP"),
         "pure fsdp": ("ValueError", "nothing to average at one bit"),
         "commopt checkpoint": ("CheckpointError", "commopt.fsdp.save_checkpoint"),
