@@ -17,13 +17,14 @@ it to the optimizer (``optimizer.shard_over(sharding)``); docs/fsdp.md tells the
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
 
 from commopt.comm import Backend
 
-__all__ = ["Sharding", "local"]
+__all__ = ["Sharding", "local", "refuse_unattached_shards", "unshardable"]
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -61,3 +62,44 @@ class Sharding:
         if self.shard.world_size > 1:
             self.shard.all_reduce(t, "max")
         return t
+
+
+def unshardable(steps: int, topology: str, groups: list[dict[str, Any]]) -> str | None:
+    """Why an optimizer that has taken ``steps`` steps, with ``topology``, over ``groups``
+    cannot switch to sharded parameters now; None: it can."""
+    if steps > 0:
+        return (
+            f"it has taken {steps} steps already; attach before the first step "
+            "(and load a checkpoint after attaching)"
+        )
+    if topology != "flat":
+        return (
+            f"topology={topology!r}: with sharded parameters the shard group is the "
+            "node level already (full precision inside it, one bit between replicas); leave "
+            "topology='flat'"
+        )
+    for group in groups:
+        if group.get("exp_avg_mask") is not None:
+            return "exp_avg_mask has no sharded form; remove it from the param group"
+        for p in group["params"]:
+            if p.dtype != torch.float32:
+                return (
+                    f"a {p.dtype} sharded parameter (shape {tuple(p.shape)}): keep the sharded "
+                    "parameters fp32 and compute in low precision with FSDP2's "
+                    "MixedPrecisionPolicy(param_dtype=torch.bfloat16)"
+                )
+    return None
+
+
+def refuse_unattached_shards(name: str, groups: list[dict[str, Any]]) -> None:
+    """ValueError for sharded parameters (DTensors) the optimizer was not told about: it would
+    average one rank's shard with other ranks' different shards, a silent wrong answer."""
+    for group in groups:
+        for p in group["params"]:
+            if isinstance(p, DTensor):
+                raise ValueError(
+                    f"{name}: its parameters are sharded (DTensor, e.g. FSDP2's fully_shard; "
+                    f"placements {tuple(p.placements)}): call commopt.fsdp.attach(model, "
+                    "optimizer, mesh) before the first step, so that it averages each shard "
+                    "with its replicas only (docs/fsdp.md)"
+                )

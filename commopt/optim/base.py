@@ -50,12 +50,10 @@ from commopt.optim.config import (
     CommOptions,
     check_no_scaler_after_early_work,
     check_param_group,
-    check_shardable,
-    refuse_unattached_shards,
 )
 from commopt.optim.flat_state import FlatState, grouped_segments
 from commopt.optim.freeze import AutoFreeze, FreezePoint
-from commopt.sharding import Sharding
+from commopt.sharding import Sharding, refuse_unattached_shards, unshardable
 
 __all__ = ["BucketOps", "CompressedOptimizer", "StepContext"]
 
@@ -310,7 +308,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
                 ``topology`` other than ``"flat"``).
         """
         name = type(self).__name__
-        refuse = check_shardable(name, self.config, self.global_state, self.param_groups)
+        refuse = unshardable(self.global_state["step"], self.config.topology, self.param_groups)
         if refuse is None and (self.overlap or self._early is not None):
             refuse = "its gradients are already exchanged during backward (overlap or a DDP hook)"
         if refuse is not None:
