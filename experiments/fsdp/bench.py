@@ -11,11 +11,11 @@ error buffers), deduplicated by storage: measured from the tensors that exist, n
 ``speed``: one process per rank under a launcher (``netlab run``; experiments/fsdp/run.sh puts
 2 ranks on each of 2 emulated hosts): the replicate dimension spans the hosts, the shard
 dimension stays inside one. In one run, side by side: FSDP2's native HSDP (2-D mesh) with
-``torch.optim.AdamW``, and FSDP2 over the shard dimension with commopt's 1-bit Adam attached
-(compression stage). Median step time over the timed steps, each step's time the slowest
-rank's, and its two parts (forward + backward, where FSDP2 gathers and reduce-scatters inside
-the shard group and native HSDP all-reduces across replicas; ``optimizer.step()``, where
-commopt averages or exchanges across replicas).
+``torch.optim.AdamW``, and FSDP2 over the shard dimension with commopt's 1-bit Adam attached,
+in its compression stage and (``-warmup``) in its full-precision warmup. Median step time over
+the timed steps, each step's time the slowest rank's, and its two parts (forward + backward,
+where FSDP2 gathers and reduce-scatters inside the shard group and native HSDP all-reduces
+across replicas; ``optimizer.step()``, where commopt averages or exchanges across replicas).
 
     python -m experiments.fsdp.bench memory --shards 1 2 4
     bash experiments/fsdp/run.sh 1gbit              # as root: speed on netlab
@@ -130,12 +130,16 @@ def _speed_rank(args: argparse.Namespace) -> dict[str, Any]:
         if variant == "HSDP-AdamW":  # FSDP2's own HSDP: all-reduce across replicas, fp32
             _shard(model, mesh)
             opt: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        elif variant == "HSDP-OnebitAdam":
+        elif variant in ("HSDP-OnebitAdam", "HSDP-OnebitAdam-warmup"):
             _shard(model, mesh["shard"])
-            opt = commopt.OnebitAdam(model.parameters(), lr=1e-4, freeze_step=args.warmup)
+            # (-warmup: every timed step is a full-precision one, averaged in step())
+            freeze = 10**9 if variant.endswith("warmup") else args.warmup
+            opt = commopt.OnebitAdam(model.parameters(), lr=1e-4, freeze_step=freeze)
             commopt.fsdp.attach(model, opt, mesh)
         else:
-            raise ValueError(f"unknown variant {variant!r} (HSDP-AdamW, HSDP-OnebitAdam)")
+            raise ValueError(
+                f"unknown variant {variant!r} (HSDP-AdamW, HSDP-OnebitAdam, HSDP-OnebitAdam-warmup)"
+            )
         gen = torch.Generator().manual_seed(rank)
         x = torch.randn(args.batch, args.width, generator=gen)
         y = torch.randn(args.batch, args.width, generator=gen)
@@ -200,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shards", type=int, nargs="+", default=[1, 2, 4], help="memory")
     parser.add_argument("--replicas", type=int, default=2, help="memory: R, fixed")
     parser.add_argument("--ranks-per-host", type=int, default=2, help="speed: S")
-    parser.add_argument("--variants", default="HSDP-AdamW,HSDP-OnebitAdam")
+    parser.add_argument("--variants", default="HSDP-AdamW,HSDP-OnebitAdam,HSDP-OnebitAdam-warmup")
     parser.add_argument("--warmup", type=int, default=2, help="1-bit Adam's freeze step")
     parser.add_argument("--settle", type=int, default=2)
     parser.add_argument("--measure", type=int, default=8)
