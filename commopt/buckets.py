@@ -149,7 +149,7 @@ def local_shards(buckets: Iterable[Bucket]) -> Iterator[None]:
     parameters themselves."""
     swapped = []
     for bucket in buckets:
-        if not any(isinstance(p, DTensor) for p in bucket.params):
+        if bucket.sharding is None:  # (whole parameters: nothing to stand in)
             continue
         proxies: dict[int, torch.Tensor] = {}
         for p in bucket.params:

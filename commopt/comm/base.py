@@ -76,12 +76,19 @@ class CommStats:
         )
 
     def __sub__(self, other: CommStats) -> CommStats:
+        return self._combine(other, -1)
+
+    def __add__(self, other: CommStats) -> CommStats:
+        """The counts of two backends together (an optimizer's groups, ``comm_stats()``)."""
+        return self._combine(other, 1)
+
+    def _combine(self, other: CommStats, sign: int) -> CommStats:
         ops = set(self.calls_by_op) | set(other.calls_by_op)
         return CommStats(
-            self.calls - other.calls,
-            self.bytes_sent - other.bytes_sent,
-            {k: self.calls_by_op.get(k, 0) - other.calls_by_op.get(k, 0) for k in ops},
-            {k: self.bytes_by_op.get(k, 0) - other.bytes_by_op.get(k, 0) for k in ops},
+            self.calls + sign * other.calls,
+            self.bytes_sent + sign * other.bytes_sent,
+            {k: self.calls_by_op.get(k, 0) + sign * other.calls_by_op.get(k, 0) for k in ops},
+            {k: self.bytes_by_op.get(k, 0) + sign * other.bytes_by_op.get(k, 0) for k in ops},
         )
 
 

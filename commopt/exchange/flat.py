@@ -61,6 +61,9 @@ class FlatExchange:
             docs/algorithms/error_feedback.md's experiment.
         pipeline: stages of ``"classic"``'s steps 4–9 (:mod:`commopt.pipelined`; the same bits
             in any number); ``None`` (default): :func:`~commopt.pipelined.auto_stages`.
+        layout: what the ranks' buffers belong to, the start of :attr:`name` (default
+            ``"flat"``; between the replicas of sharded parameters, their layout
+            ``"sharded:RxS:i.j"``, :mod:`commopt.sharding`).
     """
 
     def __init__(
@@ -70,6 +73,7 @@ class FlatExchange:
         eta: float = 0.2,
         *,
         pipeline: int | None = None,
+        layout: str = "flat",
     ) -> None:
         check_choice("feedback", feedback, ERROR_FEEDBACKS)
         if not 0.0 <= eta:  # also rejects NaN
@@ -79,7 +83,7 @@ class FlatExchange:
         self.feedback = feedback
         self.eta = float(eta)
         # The name keys the layout in checkpoints: EControl's buffers mean something else.
-        self.name = "flat" if feedback == "classic" else "flat-econtrol"
+        self.name = layout if feedback == "classic" else f"{layout}-econtrol"
 
     def state_numels(self, numel: int) -> dict[str, int]:
         """Per-rank buffers for a bucket of ``numel``: the worker error (N), the server error

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from commopt.comm import Backend, CommStats, resolve_backend
+from commopt.comm import Backend, resolve_backend
 from commopt.exchange import Exchange, FlatExchange, build_exchange
 from commopt.optim.flat_state import FlatState
 from commopt.sharding import Sharding
@@ -74,9 +74,11 @@ class Communication:
         hierarchical exchange of :mod:`commopt.exchange.hierarchical` (``topology``)."""
         if self._exchange is None and self.sharding is not None:
             opts = self._options
-            self._exchange = ReplicaExchange(
-                FlatExchange(self.sharding.replicate, opts.error_feedback, opts.econtrol_eta),
-                self.sharding,
+            self._exchange = FlatExchange(  # SPEC §1 between the replicas of this rank's shard
+                self.sharding.replicate,
+                opts.error_feedback,
+                opts.econtrol_eta,
+                layout=self.sharding.name,
             )
         if self._exchange is None:
             # one rank has no nodes to tell apart: flat (builds no process groups)
@@ -159,7 +161,7 @@ class Communication:
         """
         stats = self.backend.stats
         if self.sharding is not None:  # the replicate and shard groups count their own
-            stats = _total(stats, self.sharding.replicate.stats, self.sharding.shard.stats)
+            stats = stats + self.sharding.replicate.stats + self.sharding.shard.stats
         error = None
         if self.last_compression is not None:
             dot, c_sq_t, e, version = self.last_compression
@@ -181,40 +183,3 @@ class Communication:
             "compression_error": error,
             "exchange_state_numel": sum(b.numel() for s in states for b in s.comm.values()),
         }
-
-
-def _total(*parts: CommStats) -> CommStats:
-    """The counts of several backends added up."""
-    total = CommStats()
-    for part in parts:
-        total.calls += part.calls
-        total.bytes_sent += part.bytes_sent
-        for op, n in part.calls_by_op.items():
-            total.calls_by_op[op] = total.calls_by_op.get(op, 0) + n
-        for op, n in part.bytes_by_op.items():
-            total.bytes_by_op[op] = total.bytes_by_op.get(op, 0) + n
-    return total
-
-
-class ReplicaExchange:
-    """SPEC §1 between the replicas of this rank's shard: a :class:`FlatExchange` over the
-    replicate group, on this rank's shard of each bucket. Named after the layout
-    (:attr:`Sharding.name`), since its buffers mean something only there."""
-
-    def __init__(self, inner: FlatExchange, sharding: Sharding) -> None:
-        self._inner = inner
-        self.backend = inner.backend
-        self.name = sharding.name if inner.feedback == "classic" else f"{sharding.name}-econtrol"
-
-    def state_numels(self, numel: int) -> dict[str, int]:
-        """The flat exchange's buffers over the R replicas."""
-        return self._inner.state_numels(numel)
-
-    def allreduce_(
-        self, tensor: torch.Tensor, state: dict[str, torch.Tensor]
-    ) -> torch.Tensor | None:
-        """shard ← C(shard) over the replicas (SPEC §1)."""
-        return self._inner.allreduce_(tensor, state)
-
-    def __repr__(self) -> str:
-        return f"ReplicaExchange({self.name!r}, {self._inner!r})"
