@@ -48,7 +48,6 @@ __all__ = [
     "ZeroOneAdamConfig",
     "check_adam_arguments",
     "check_beta",
-    "check_comm_keywords",
     "check_config_change",
     "check_freeze_step",
     "check_group_joins_phase_a",
@@ -57,6 +56,7 @@ __all__ = [
     "check_number",
     "check_param_group",
     "check_step_count",
+    "comm_keywords",
     "config_differences",
     "configured_by",
     "fill_template",
@@ -250,10 +250,33 @@ def check_beta(index: int, value: float) -> None:
         raise ValueError(f"Invalid beta parameter at index {index}: {value} (must be in [0, 1))")
 
 
+def check_tensor_hyperparameters(lr: Any, betas: Any, where: str = "") -> None:
+    """ValueError for a tensor ``lr`` or ``betas``, in the words torch.optim.Adam refuses them
+    for ``capturable=False, foreach=True``: commopt's steps are of that kind (flat kernels that
+    read Python floats), so code written for torch sees the error it expects."""
+    if isinstance(lr, torch.Tensor):
+        if lr.numel() != 1:
+            raise ValueError(f"Tensor lr must be 1-element{where}")
+        raise ValueError(
+            f"lr as a Tensor is not supported for capturable=False and foreach=True{where}, "
+            "which is how commopt's optimizers step (their kernels read Python floats): "
+            "pass float(lr)"
+        )
+    tensors = [isinstance(beta, torch.Tensor) for beta in betas]
+    if any(tensors):
+        if not all(tensors):
+            raise ValueError(f"betas must be either both floats or both Tensors{where}")
+        raise ValueError(
+            f"betas[0] as a Tensor is not supported for capturable=False and foreach=True{where}, "
+            "which is how commopt's optimizers step: pass floats"
+        )
+
+
 def check_adam_arguments(
     lr: float, betas: tuple[float, float], eps: float, weight_decay: float
 ) -> None:
     """The checks every Adam-family constructor makes, with torch.optim's wording."""
+    check_tensor_hyperparameters(lr, betas)
     check_nonnegative("learning rate", lr)
     check_nonnegative("epsilon value", eps)
     check_nonnegative("weight_decay value", weight_decay)
@@ -412,9 +435,16 @@ class CommKeywords(TypedDict, total=False):
     step_guard: StepGuard
 
 
-def check_comm_keywords(owner: str, comm: dict[str, Any]) -> None:
-    """``TypeError`` naming ``owner`` for a keyword that is no communication option (the
-    constructors take them as ``**comm``)."""
+def comm_keywords(owner: str, keywords: dict[str, Any]) -> dict[str, Any]:
+    """The communication options among a constructor's ``**comm`` keywords; torch.optim.Adam's
+    flags as a drop-in takes them: ``foreach`` with any value (commopt has one implementation),
+    the others (:data:`_TORCH_ONLY`) unset or False, else ``ValueError``. Other keywords:
+    ``TypeError`` naming ``owner``."""
+    comm = dict(keywords)
+    for key in ("foreach", *_TORCH_ONLY):
+        value = comm.pop(key, None)
+        if key != "foreach" and value:
+            raise ValueError(f"{key}={value!r}: {owner} has no {key} ({_TORCH_ONLY[key]})")
     known = {f.name for f in dataclasses.fields(CommOptions)}
     unknown = sorted(set(comm) - known)
     if unknown:
@@ -422,6 +452,7 @@ def check_comm_keywords(owner: str, comm: dict[str, Any]) -> None:
             f"{owner}() got an unexpected keyword argument {unknown[0]!r} (the keyword-only "
             f"options are {', '.join(sorted(known))})"
         )
+    return comm
 
 
 def saved_config(config: CommOptions) -> dict[str, Any]:
@@ -500,6 +531,7 @@ def check_param_group(
                 f"{key} is one setting for the whole {name} (its config), "
                 f"not per param group; pass {key}= to the constructor"
             )
+    check_tensor_hyperparameters(group.get("lr"), group.get("betas", ()), " in a param group")
     for key in ("lr", "eps", "weight_decay"):
         if key in group:
             check_number(f"{key} in a param group", group[key])

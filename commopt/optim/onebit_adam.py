@@ -24,7 +24,7 @@ from commopt.optim.config import (
     CommKeywords,
     OnebitAdamConfig,
     check_adam_arguments,
-    check_comm_keywords,
+    comm_keywords,
     configured_by,
 )
 from commopt.optim.flat_state import FlatState
@@ -133,7 +133,7 @@ class OnebitAdam(CompressedOptimizer):
         **comm: Unpack[CommKeywords],
     ) -> None:
         check_adam_arguments(lr, betas, eps, weight_decay)
-        check_comm_keywords(type(self).__name__, comm)
+        comm = comm_keywords(type(self).__name__, comm)
         config = OnebitAdamConfig(freeze_step=freeze_step, **comm)
         defaults = dict(
             lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction

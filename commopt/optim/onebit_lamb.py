@@ -53,7 +53,7 @@ from commopt.optim.config import (
     CommKeywords,
     OnebitLambConfig,
     check_adam_arguments,
-    check_comm_keywords,
+    comm_keywords,
     configured_by,
 )
 from commopt.optim.flat_state import FlatState
@@ -212,7 +212,7 @@ class OnebitLamb(CompressedOptimizer):
         **comm: Unpack[CommKeywords],
     ) -> None:
         check_adam_arguments(lr, betas, eps, weight_decay)
-        check_comm_keywords(type(self).__name__, comm)
+        comm = comm_keywords(type(self).__name__, comm)
         config = OnebitLambConfig(
             **comm,
             trust_ratio=trust_ratio,

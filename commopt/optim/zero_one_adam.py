@@ -32,8 +32,8 @@ from commopt.optim.config import (
     CommKeywords,
     ZeroOneAdamConfig,
     check_adam_arguments,
-    check_comm_keywords,
     check_group_joins_phase_a,
+    comm_keywords,
     configured_by,
 )
 from commopt.optim.flat_state import FlatState
@@ -183,7 +183,7 @@ class ZeroOneAdam(CompressedOptimizer):
         **comm: Unpack[CommKeywords],
     ) -> None:
         check_adam_arguments(lr, betas, eps, weight_decay)
-        check_comm_keywords(type(self).__name__, comm)
+        comm = comm_keywords(type(self).__name__, comm)
         config = ZeroOneAdamConfig(
             **comm,
             var_freeze_step=var_freeze_step,
