@@ -33,6 +33,8 @@ Variants (labels as they appear in every table):
   plain averaging (lr 1, no momentum); R overrides the outer lr; ``-tensor``: one 1-bit scale
   per tensor (``scale="tensor"``, commopt's default), without it one per fragment.
   :func:`is_variant` accepts these labels (they are not in :data:`ALL_VARIANTS`).
+- ``DiLoCo-torchft-HK[-oR][-nesterov|-plain]``: PyTorch's own DiLoCo (torchft, not installed
+  with commopt), the same inner and outer optimizers (:mod:`experiments.harness.torchft_peer`).
 
 Traffic model, the same for every variant: a ring all_reduce of B bytes costs one rank
 2(n−1)/n·B bytes sent (SPEC §7; ``commopt.comm.base.model_bytes``). commopt variants report it
@@ -62,6 +64,7 @@ import commopt
 from commopt.comm import TorchBackend
 from commopt.comm.base import model_bytes
 from commopt.optim.base import CompressedOptimizer
+from experiments.harness.torchft_peer import TorchftDiLoCo, is_torchft_label
 
 __all__ = [
     "ALL_VARIANTS",
@@ -108,7 +111,7 @@ _DILOCO = re.compile(
 def is_variant(label: str) -> bool:
     """Whether :func:`make_setup` builds ``label``: one of :data:`ALL_VARIANTS` or a DiLoCo
     label (module docstring)."""
-    return label in ALL_VARIANTS or _DILOCO.fullmatch(label) is not None
+    return label in ALL_VARIANTS or _DILOCO.fullmatch(label) is not None or is_torchft_label(label)
 
 
 def _diloco(label: str, model: nn.Module, hp: Hyper, backend: TorchBackend) -> Any:
@@ -335,6 +338,9 @@ def make_setup(label: str, model: nn.Module, hp: Hyper) -> Setup:
     commopt.broadcast_parameters(model, backend=backend)
     backend.stats.reset()
     n = backend.world_size
+    if is_torchft_label(label):  # PyTorch's own DiLoCo, the peer (needs torchft installed)
+        peer = TorchftDiLoCo(label, model, hp.lr, hp.betas, hp.weight_decay)
+        return Setup(label, model, peer, peer, None, average_gradients=False)  # type: ignore[arg-type]
     if label.startswith("DiLoCo"):
         opt = _diloco(label, model, hp, backend)
         return Setup(label, model, opt, backend, None, average_gradients=False)
