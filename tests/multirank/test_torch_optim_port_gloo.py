@@ -1,8 +1,8 @@
 """torch's ``TestOptimRenewed``, ported (``tests/torch_optim_port.py``), on 2 gloo ranks: the
 bodies where communication matters (state dicts, schedulers, per-group options, hooks, a layer
 frozen and unfrozen), each rank with its own data, so every step of the short schedule goes
-through the 1-bit exchange. Besides each body's own assertions, the replicas hold the same
-parameters at the end of each run (``RankWorld.agree``).
+through the 1-bit exchange, standalone and with ``overlap=True``. Besides each body's own
+assertions, the replicas hold the same parameters at the end of each run (``RankWorld.agree``).
 
 Each optimizer's bodies run in one pair of forked ranks (a few seconds); the results are kept
 per case, so each case passes or fails on its own.
@@ -20,6 +20,14 @@ import torch.distributed as dist
 from tests.multirank.harness import run_ranks
 from tests.optim_registry import BY_NAME
 from tests.torch_optim_port import BODIES, SHORT, Entry, World, cases
+
+#: each optimizer with its short schedule, standalone and with overlap=True (its communication
+#: started by gradient hooks, on a thread: the bodies build one optimizer after another over the
+#: same parameters, which is how a hook left on an older optimizer was found)
+ON_TWO_RANKS = (
+    *SHORT,
+    *(Entry(f"{e.name}-overlap", e.cls, {**e.base, "overlap": True}) for e in SHORT),
+)
 
 #: the bodies where communication matters (the others are the unit suite's)
 ON_RANKS = (
@@ -66,14 +74,14 @@ class RankWorld(World):
         return total.item() / dist.get_world_size()
 
     def agree(self, entry: Entry, optimizer, params) -> None:
-        shared = BY_NAME[entry.name].shared(optimizer, params)
+        shared = BY_NAME[entry.name.removesuffix("-overlap")].shared(optimizer, params)
         gathered = [torch.empty_like(shared) for _ in range(dist.get_world_size())]
         dist.all_gather(gathered, shared)
         assert all(torch.equal(g, gathered[0]) for g in gathered), "replicas differ"
 
 
 def _all_bodies(backend, entry_name: str) -> dict[str, str | None]:
-    entry = next(e for e in SHORT if e.name == entry_name)
+    entry = next(e for e in ON_TWO_RANKS if e.name == entry_name)
     world = RankWorld(backend.rank)
     failures: dict[str, str | None] = {}
     first = None
@@ -95,7 +103,7 @@ def _results(entry_name: str) -> list[dict[str, str | None]]:
     return run_ranks(_all_bodies, 2, entry_name, timeout=240)
 
 
-@pytest.mark.parametrize("entry", [e.name for e in SHORT])
+@pytest.mark.parametrize("entry", [e.name for e in ON_TWO_RANKS])
 @pytest.mark.parametrize("case", [case_id(n, kw) for n, kw in CASES])
 def test_ported_on_two_ranks(case, entry):
     for rank, failures in enumerate(_results(entry)):

@@ -42,6 +42,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from commopt.comm import all_reduce_async
 from commopt.comm.handoff import device_future
@@ -503,8 +504,20 @@ class EarlyReads:
         self._expected.clear()
 
 
+#: each parameter's gradient hook belongs to the newest overlap=True optimizer built over it
+_OWNERS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
 class GradientHooks:
-    """The per-parameter gradient hooks of one optimizer (``overlap=True``)."""
+    """The per-parameter gradient hooks of one optimizer (``overlap=True``).
+
+    A parameter's hook belongs to the newest such optimizer built over it: building one takes
+    the parameter's hook from an older one (a new optimizer per phase of training). The older
+    one may still be alive on some ranks and collected on others, as garbage collection finds
+    it; if its hook still fired, its thread would start an exchange on some ranks only, and the
+    ranks would hang or mix up messages. Taken at construction, the same on every rank, it
+    starts nothing more (stepped anyway, it steps as ``overlap=False`` would).
+    """
 
     def __init__(self, work: Callable[[], EarlyWork]) -> None:
         self._work = work
@@ -512,7 +525,7 @@ class GradientHooks:
         self.enabled = False
         #: inside ``no_sync()``: a backward pass starts nothing
         self.paused = False
-        self._handles: list[Any] = []
+        self._handles: dict[int, Any] = {}  # id(parameter) → its hook's handle
 
     def enable(self, params: Sequence[torch.Tensor]) -> None:
         self.enabled = True
@@ -530,7 +543,17 @@ class GradientHooks:
 
         for p in params:
             if p.requires_grad:
-                self._handles.append(p.register_post_accumulate_grad_hook(ready))
+                older = _OWNERS.get(p)
+                if older is not None and older() not in (None, self):
+                    older().release(p)  # type: ignore[union-attr]
+                self._handles[id(p)] = p.register_post_accumulate_grad_hook(ready)
+                _OWNERS[p] = weakref.ref(self)
+
+    def release(self, p: torch.Tensor) -> None:
+        """Remove the hook on ``p`` (a newer optimizer over ``p`` takes it)."""
+        handle = self._handles.pop(id(p), None)
+        if handle is not None:
+            handle.remove()
 
     @torch.no_grad()
     def _ready(self, p: torch.Tensor) -> None:
