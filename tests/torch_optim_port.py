@@ -708,20 +708,27 @@ def _named(params: list[Any], is_named: bool) -> list[Any]:
     return [(f"name{i}", p) for i, p in enumerate(params)] if is_named else params
 
 
-def test_state_dict_deterministic(
-    entry: Entry, world: World, is_named_optim0: bool, is_named_optim1: bool
-) -> None:
+def _small_linear(world: World) -> tuple[Parameter, Parameter, torch.Tensor]:
+    """The (2, 3) weight, bias and input of the state-dict tests."""
     world.seed_params()
     weight = Parameter(torch.randn(2, 3))
     bias = Parameter(torch.randn(2))
     world.seed_data()
-    inpt = torch.randn(3, requires_grad=True)
+    return weight, bias, torch.randn(3, requires_grad=True)
 
-    def fwd_bwd(optim, w, b, i):
-        optim.zero_grad()
-        loss = (w.mv(i) + b).pow(2).sum()
-        loss.backward()
-        return loss
+
+def _fwd_bwd_linear(optim: Optimizer, w: torch.Tensor, b: torch.Tensor, i: torch.Tensor):
+    optim.zero_grad()
+    loss = (w.mv(i) + b).pow(2).sum()
+    loss.backward()
+    return loss
+
+
+def test_state_dict_deterministic(
+    entry: Entry, world: World, is_named_optim0: bool, is_named_optim1: bool
+) -> None:
+    weight, bias, inpt = _small_linear(world)
+    fwd_bwd = _fwd_bwd_linear
 
     for kwargs in entry.all_inputs(skip=("differentiable",)):
         optimizer = build(entry, _named([weight, bias], is_named_optim0), kwargs)
@@ -818,17 +825,8 @@ def test_can_load_from_to_named_state_dict(
 def test_save_load_equality_with_weights_only(
     entry: Entry, world: World, is_named_optim: bool
 ) -> None:
-    world.seed_params()
-    weight = Parameter(torch.randn(2, 3))
-    bias = Parameter(torch.randn(2))
-    world.seed_data()
-    inpt = torch.randn(3, requires_grad=True)
-
-    def fwd_bwd(optim, w, b, i):
-        optim.zero_grad()
-        loss = (w.mv(i) + b).pow(2).sum()
-        loss.backward()
-        return loss
+    weight, bias, inpt = _small_linear(world)
+    fwd_bwd = _fwd_bwd_linear
 
     for kwargs in entry.all_inputs(skip=("differentiable",)):
         optimizer = build(entry, _named([weight, bias], is_named_optim), kwargs)
@@ -961,28 +959,25 @@ def _step_hook_optimizers(entry: Entry) -> list[Optimizer]:
     return out
 
 
-def test_step_post_hook(entry: Entry, world: World) -> None:
+def _check_step_hook(entry: Entry, register: str, start: int) -> None:
+    """torch's step pre/post hook tests: +2 per step while registered, nothing after removal."""
     for optim in _step_hook_optimizers(entry):
-        data = [2]
-        handle = optim.register_step_post_hook(lambda o, a, k: data.append(data.pop() + 2))
+        data = [start]
+        handle = getattr(optim, register)(lambda o, a, k: data.append(data.pop() + 2))
         optim.step()
         optim.step()
-        assert data == [6]
+        assert data == [start + 4]
         handle.remove()
         optim.step()
-        assert data == [6]
+        assert data == [start + 4]
+
+
+def test_step_post_hook(entry: Entry, world: World) -> None:
+    _check_step_hook(entry, "register_step_post_hook", 2)
 
 
 def test_step_pre_hook(entry: Entry, world: World) -> None:
-    for optim in _step_hook_optimizers(entry):
-        data = [5]
-        handle = optim.register_step_pre_hook(lambda o, a, k: data.append(data.pop() + 2))
-        optim.step()
-        optim.step()
-        assert data == [9]
-        handle.remove()
-        optim.step()
-        assert data == [9]
+    _check_step_hook(entry, "register_step_pre_hook", 5)
 
 
 def test_step_all_hooks(entry: Entry, world: World) -> None:
