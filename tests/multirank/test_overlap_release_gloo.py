@@ -15,6 +15,7 @@ import torch
 
 import commopt
 from tests.multirank.harness import run_ranks
+from tests.optim_registry import BY_NAME, OPTIMIZERS
 
 
 def _six_optimizers(backend) -> list[tuple[bool, list[str], int]]:
@@ -56,16 +57,13 @@ def _new_optimizer_while_an_old_one_lives_on_one_rank(backend, name: str) -> lis
     # on 2 ranks, about one run in four). The newest optimizer over a parameter owns its hook.
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 4)
-    config = {"lr": 1e-2, "overlap": True, "backend": backend, "bucket_numel": 16}
-    config.update(
-        {"freeze_step": 1}
-        if name == "OnebitAdam"
-        else {"var_freeze_step": 2, "var_update_scaler": 1, "local_step_scaler": 1}
-    )
+    info = BY_NAME[name]
     gen = torch.Generator().manual_seed(backend.rank)
     kept, losses = [], []
     for _ in range(3):
-        opt = getattr(commopt, name)(model.parameters(), **config)
+        opt = info.make(
+            model.parameters(), mode="overlap", backward=True, backend=backend, bucket_numel=16
+        )
         for _ in range(4):
             opt.zero_grad()
             loss = model(torch.randn(4, 8, generator=gen)).pow(2).sum()
@@ -80,9 +78,10 @@ def _new_optimizer_while_an_old_one_lives_on_one_rank(backend, name: str) -> lis
     return [*losses, *flat.tolist()]
 
 
-@pytest.mark.parametrize("name", ["OnebitAdam", "ZeroOneAdam"])
-def test_a_new_optimizer_takes_the_hooks_of_an_old_one_still_alive_on_some_ranks(name) -> None:
-    ranks = run_ranks(_new_optimizer_while_an_old_one_lives_on_one_rank, 2, name, timeout=90)
+@pytest.mark.parametrize("info", OPTIMIZERS, ids=repr)
+def test_a_new_optimizer_takes_the_hooks_of_an_old_one_still_alive_on_some_ranks(info) -> None:
+    body = _new_optimizer_while_an_old_one_lives_on_one_rank
+    ranks = run_ranks(body, 2, info.name, timeout=90)
     assert all(map(math.isfinite, ranks[0]))
     n = len(ranks[0]) - sum(p.numel() for p in torch.nn.Linear(8, 4).parameters())
     assert ranks[0][n:] == ranks[1][n:]  # replicas identical
