@@ -440,11 +440,8 @@ def comm_keywords(owner: str, keywords: dict[str, Any]) -> dict[str, Any]:
     flags as a drop-in takes them: ``foreach`` with any value (commopt has one implementation),
     the others (:data:`_TORCH_ONLY`) unset or False, else ``ValueError``. Other keywords:
     ``TypeError`` naming ``owner``."""
-    comm = dict(keywords)
-    for key in ("foreach", *_TORCH_ONLY):
-        value = comm.pop(key, None)
-        if key != "foreach" and value:
-            raise ValueError(f"{key}={value!r}: {owner} has no {key} ({_TORCH_ONLY[key]})")
+    _refuse_torch_only(keywords, owner)
+    comm = {k: v for k, v in keywords.items() if k not in ("foreach", *_TORCH_ONLY)}
     known = {f.name for f in dataclasses.fields(CommOptions)}
     unknown = sorted(set(comm) - known)
     if unknown:
@@ -521,6 +518,13 @@ _TORCH_ONLY = {
 }
 
 
+def _refuse_torch_only(opts: dict[str, Any], owner: str, where: str = "", hint: str = "") -> None:
+    """ValueError naming the first :data:`_TORCH_ONLY` option set in ``opts``, and why."""
+    for key, why in _TORCH_ONLY.items():
+        if opts.get(key):
+            raise ValueError(f"{key}={opts[key]!r}{where}: {owner} has no {key} ({why}){hint}")
+
+
 def check_param_group(
     group: dict[str, Any], name: str, config: Any, defaults: dict[str, Any]
 ) -> None:
@@ -537,12 +541,9 @@ def check_param_group(
             check_number(f"{key} in a param group", group[key])
     for i, beta in enumerate(group.get("betas", ())):
         check_number(f"betas[{i}] in a param group", beta)
-    for key, why in _TORCH_ONLY.items():
-        if group.get(key):
-            raise ValueError(
-                f"{key}={group[key]!r} in a param group: {name} has no {key} ({why}); "
-                "remove it (the constructor refuses it too)"
-            )
+    _refuse_torch_only(
+        group, name, " in a param group", "; remove it (the constructor refuses it too)"
+    )
     for p in group["params"]:
         if p.is_complex():
             raise TypeError(

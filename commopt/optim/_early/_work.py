@@ -544,8 +544,9 @@ class GradientHooks:
         for p in params:
             if p.requires_grad:
                 older = _OWNERS.get(p)
-                if older is not None and older() not in (None, self):
-                    older().release(p)  # type: ignore[union-attr]
+                owner = older() if older is not None else None
+                if owner is not None and owner is not self:
+                    owner.release(p)
                 self._handles[id(p)] = p.register_post_accumulate_grad_hook(ready)
                 _OWNERS[p] = weakref.ref(self)
 
