@@ -340,7 +340,12 @@ def left_untouched(
         yield
         return
     saved = [
-        (p, p.detach().clone(), {k: v.clone() for k, v in param_state[p].items()}) for p in params
+        (
+            p,
+            p.detach().clone(),
+            {k: v.clone() for k, v in param_state[p].items() if torch.is_tensor(v)},
+        )
+        for p in params
     ]
     yield
     for p, value, state in saved:

@@ -53,10 +53,12 @@ from commopt.compressed import NonFiniteError
 from commopt.optim._early import Kind, StagedBuffers
 from commopt.optim._early._work import EarlyWork
 from commopt.optim.adam import (
+    IDLE_STEPS,
     bound_step_,
     guard_limits,
     guarded_adam_update_,
     guarded_elements,
+    momentum_step_size,
     momentum_step_sizes,
     step_bound,
     variance_denominator,
@@ -151,7 +153,7 @@ def frozen_denominator(
     state: FlatState, groups: Sequence[dict[str, Any]], variance_updates: int
 ) -> torch.Tensor:
     """√v̂ + ε of the bucket after ``variance_updates`` variance updates (read-only, kept)."""
-    return variance_denominator(state, grouped_segments(state, groups), variance_updates)
+    return variance_denominator(state, groups, variance_updates)
 
 
 def local_update_(
@@ -162,13 +164,28 @@ def local_update_(
     step_guard: StepGuard,
     m: torch.Tensor | None = None,
     target: torch.Tensor | None = None,
+    own_steps_at: int | None = None,
 ) -> None:
     """p ← p − η·(m/(√v̂ + ε) + λ·p), group by group, guarded; ``step_sizes``: η/(1 − β1^t)
     per param group; ``d``: √v̂ + ε; ``m``: ``exp_avg`` unless given (a staged m′);
-    ``target``: a flat buffer that takes p′ in place of the parameters (the staged sync)."""
-    segments = grouped_segments(state, groups)
+    ``target``: a flat buffer that takes p′ in place of the parameters (the staged sync).
+    ``own_steps_at`` (phase A's step): each parameter's t counts its own steps, less those it
+    sat out (``IDLE_STEPS``), in place of ``step_sizes``; phase B keeps the group's t, whose
+    step sizes the sync sums to recover m."""
     m = state.flat["exp_avg"] if m is None else m
-    sizes = [step_sizes[seg.group] for seg, _ in segments]
+    if own_steps_at is None:
+        segments = grouped_segments(state, groups)
+        sizes = [step_sizes[seg.group] for seg, _ in segments]
+    else:
+        runs = state.idle_runs(groups, IDLE_STEPS)
+        segments = [(seg, g) for seg, g, _ in runs]
+        t = own_steps_at
+        sizes = [
+            momentum_step_size(
+                g["lr"], g["betas"][0], t - g["first_step"] - idle, g["bias_correction"]
+            )
+            for _, g, (idle, _) in runs
+        ]
     limits = guard_limits(segments, sizes, step_guard)
     guarded_adam_update_(state, segments, m, d, sizes, limits, step_guard, target)
 

@@ -89,6 +89,7 @@ if TYPE_CHECKING:
     from commopt.optim.flat_state import FlatState
 
 __all__ = [
+    "IDLE_STEPS",
     "TINY_VARIANCE",
     "ZeroVarianceGuard",
     "adam_step_bound",
@@ -112,6 +113,11 @@ __all__ = [
     "variance_steps_through",
     "variance_updates",
 ]
+
+#: ``state[p]`` keys of the steps a parameter sat out (no gradient on any rank), all of them
+#: and those that would have updated v; absent until it sits one out. m̂ and v̂ of a parameter
+#: count its own updates, as torch's ``state[p]["step"]`` does (FlatState.count_idle).
+IDLE_STEPS = ("idle_steps", "idle_variance_steps")
 
 
 TINY_VARIANCE = 1e-2
@@ -397,17 +403,18 @@ def momentum_step_size(lr: float, beta1: float, t: int, correct: bool) -> float:
 
 
 def variance_denominator(
-    state: FlatState, segments: Iterable[tuple[Segment, dict[str, Any]]], k: int
+    state: FlatState, groups: Sequence[dict[str, Any]], k: int
 ) -> torch.Tensor:
     """0/1 Adam's √v̂ + ε, read-only, kept while v does not change: v̂ = v/(1 − β2^k′) per
-    group with ``bias_correction`` (k′ = k − the group's ``variance_offset``: its own variance
-    updates), else v as it is (SPEC §4)."""
+    group with ``bias_correction`` (k′ = k − the group's ``variance_offset`` − the variance
+    steps the parameter sat out: its own variance updates), else v as it is (SPEC §4)."""
+    runs = state.idle_runs(groups, IDLE_STEPS)
     bias_sqrt, eps = [], []
-    for _, g in segments:
-        k_group = k - g["variance_offset"]
-        bias_sqrt.append(variance_bias_sqrt(g["betas"][1], k_group, g["bias_correction"]))
+    for _, g, (_, idle) in runs:
+        k_own = k - g["variance_offset"] - idle
+        bias_sqrt.append(variance_bias_sqrt(g["betas"][1], k_own, g["bias_correction"]))
         eps.append(g["eps"])
-    return state.denominator(bias_sqrt, eps)
+    return state.denominator(bias_sqrt, eps, [seg for seg, _, _ in runs])
 
 
 def momentum_step_sizes(groups: Sequence[dict[str, Any]], step: int) -> list[float]:

@@ -109,9 +109,14 @@ class StepContext:
         comm: Communication,
         early: EarlyWork | None,
         freeze: FreezePoint,
+        idle: frozenset[int] = frozenset(),
     ) -> None:
         #: the step being taken, counted from 1
         self.step = step
+        #: ``id`` of each parameter that sits this step out, agreed by every rank (no gradient
+        #: on any); it comes out of the step as it went in, and counts its own steps
+        #: (:meth:`FlatState.count_idle`). Empty in a step that does not communicate.
+        self.idle = idle
         #: the buckets, in layout order
         self.states = states
         #: the optimizer's param groups
@@ -440,8 +445,9 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self.global_state["step"] = step
         try:
             untouched = [params[i] for i in verdict.without_grad if i not in self._layout.untrained]
+            idle = frozenset(map(id, untouched)) if collective else frozenset()
             ctx = StepContext(
-                step, states, groups, self._ops, self._comm, self._early, self._freeze
+                step, states, groups, self._ops, self._comm, self._early, self._freeze, idle
             )
             with left_untouched(untouched, self.state), local_shards(s.bucket for s in states):
                 with master_weights(states, self.state):

@@ -13,12 +13,13 @@ caller has to remember to say that v changed.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping, MutableMapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, MutableMapping, Sequence
 from typing import Any
 
 import torch
 
 from commopt.buckets import Bucket, Segment
+from commopt.sharding import local
 
 __all__ = ["FlatState", "grouped_segments", "poison_scratch"]
 
@@ -164,8 +165,14 @@ class FlatState:
             p.copy_(view)
 
     # -- derived from v -----------------------------------------------------------------------
-    def denominator(self, bias_sqrt: list[float], eps: list[float]) -> torch.Tensor:
-        """d = √v / b + ε over the bucket, segment by segment (read-only; v = ``exp_avg_sq``).
+    def denominator(
+        self,
+        bias_sqrt: list[float],
+        eps: list[float],
+        segments: Sequence[Segment] | None = None,
+    ) -> torch.Tensor:
+        """d = √v / b + ε over the bucket, segment by segment (read-only; v = ``exp_avg_sq``);
+        ``segments``: the bucket's own unless given (:meth:`idle_runs`' runs), covering it.
 
         Kept on CPU and rebuilt only when v, b or ε change: in the compression stages v is
         frozen, and rebuilding d would be three passes over the model every step. Computed
@@ -173,11 +180,13 @@ class FlatState:
         (:meth:`scratch`).
         """
         v = self.flat["exp_avg_sq"]
-        key = (v._version, tuple(bias_sqrt), tuple(eps))
+        segments = self.bucket.segments if segments is None else segments
+        bounds = tuple(seg.start for seg in segments)
+        key = (v._version, tuple(bias_sqrt), tuple(eps), bounds)
         d = self.scratch("denominator")
         if self._denominator_key == key:
             return d
-        for seg, b, e in zip(self.bucket.segments, bias_sqrt, eps, strict=True):
+        for seg, b, e in zip(segments, bias_sqrt, eps, strict=True):
             denominator_(d[seg.start : seg.stop], v[seg.start : seg.stop], b, e)
         self._denominator_key = key
         return d
@@ -260,6 +269,44 @@ class FlatState:
             buf.copy_(d)
             self._guard_base_key = key
         return buf
+
+    # -- the steps a parameter sat out -----------------------------------------------------------
+    def count_idle(self, idle: Collection[int], keys: Iterable[str]) -> None:
+        """``state[p][key]`` += 1 (from 0) for each of ``keys``, for this bucket's parameters
+        whose ``id`` is in ``idle``: they sat out a step the others took (no gradient on any
+        rank), and torch counts each parameter's own steps (``state[p]["step"]``)."""
+        keys = tuple(keys)
+        for p in self._owners:
+            if id(p) in idle:
+                entry = self._param_state[p]
+                for key in keys:
+                    entry[key] = entry.get(key, 0) + 1
+
+    def idle_runs(
+        self, groups: Sequence[dict[str, Any]], keys: Sequence[str]
+    ) -> list[tuple[Segment, dict[str, Any], tuple[int, ...]]]:
+        """Each segment with its param group and the steps its parameters sat out (``state[p]``
+        of each of ``keys``, 0 where unset: :meth:`count_idle`), split into runs of parameters
+        that sat out alike. Until a parameter sits a step out these are the bucket's segments,
+        so the arithmetic over them is the same."""
+        counts = [tuple(self._param_state[p].get(k, 0) for k in keys) for p in self._owners]
+        zero = (0,) * len(keys)
+        if all(c == zero for c in counts):
+            return [(seg, groups[seg.group], zero) for seg in self.bucket.segments]
+        runs, each = [], iter(counts)  # (the segments hold the bucket's parameters in order)
+        for seg in self.bucket.segments:
+            start, members, current = seg.start, [], None
+            offset = seg.start
+            for p in seg.params:
+                count = next(each)
+                if members and count != current:
+                    runs.append((Segment(seg.group, start, offset, tuple(members)), current))
+                    start, members = offset, []
+                members.append(p)
+                current = count
+                offset += local(p).numel()
+            runs.append((Segment(seg.group, start, offset, tuple(members)), current))
+        return [(seg, groups[seg.group], count) for seg, count in runs]
 
     # -- this rank's exchange state -----------------------------------------------------------
     def reset_comm(self) -> None:

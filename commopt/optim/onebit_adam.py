@@ -12,10 +12,13 @@ from torch.optim.optimizer import ParamsT
 from commopt.comm import Backend
 from commopt.optim._early import Kind, WarmupThenMomentum
 from commopt.optim.adam import (
+    IDLE_STEPS,
     guarded_adam_update_,
     momentum_from_grads_,
+    momentum_step_size,
     step_bound,
     update_moments_,
+    variance_bias_sqrt,
     variance_level_of,
 )
 from commopt.optim.base import BucketOps, CompressedOptimizer, StepContext
@@ -160,6 +163,7 @@ class OnebitAdam(CompressedOptimizer):
                     ctx.exchange(state, m)
                 ctx.mask(state, m)
             self._apply_update(state, t, freeze_step)
+            state.count_idle(ctx.idle, IDLE_STEPS if t <= freeze_step else IDLE_STEPS[:1])
         automatic = auto_settings(self.config.freeze_step) is not None
         if observed and automatic and math.isinf(freeze_step):
             corrected = operator.itemgetter("bias_correction")
@@ -176,20 +180,22 @@ class OnebitAdam(CompressedOptimizer):
     def _apply_update(self, state: FlatState, t: int, freeze_step: float) -> None:
         """p ← p − η·(m̂/(√v̂ + ε) + λ·p), group by group, with v̂'s bias factor frozen too;
         with ``step_guard``, in the compression stage |m̂/(√v̂ + ε)| ≤ B(β1, β2) (on the
-        elements :func:`~commopt.optim.adam.guarded_elements` names)."""
-        variance_t = min(t, freeze_step)
+        elements :func:`~commopt.optim.adam.guarded_elements` names). m̂ and v̂ count each
+        parameter's own steps: t less the steps it sat out (``IDLE_STEPS``), as torch does."""
+        runs = state.idle_runs(self.param_groups, IDLE_STEPS)
         bias_sqrt, step_sizes, eps, limits = [], [], [], []
-        for _, group in self.segments(state):
+        for _, group, (idle, idle_variance) in runs:
             beta1, beta2 = group["betas"]
             correct = group["bias_correction"]
-            bias_sqrt.append(math.sqrt(1 - beta2**variance_t) if correct else 1.0)
-            step_sizes.append(group["lr"] / (1 - beta1**t) if correct else group["lr"])
+            variance_t = min(t, freeze_step) - idle_variance
+            bias_sqrt.append(variance_bias_sqrt(beta2, variance_t, correct))
+            step_sizes.append(momentum_step_size(group["lr"], beta1, t - idle, correct))
             eps.append(group["eps"])
             bound = step_bound(self.config.step_guard, group["betas"], correct)
             # |m/d| ≤ B·lr/step_size, so that |m̂/d| ≤ B (lr = 0: nothing moves, any limit)
             limit = bound * group["lr"] / step_sizes[-1] if step_sizes[-1] else bound
             limits.append(limit if t > freeze_step else None)
-        d = state.denominator(bias_sqrt, eps)
+        d = state.denominator(bias_sqrt, eps, [seg for seg, _, _ in runs])
         m = state.flat["exp_avg"]
-        segments = self.segments(state)
+        segments = [(seg, group) for seg, group, _ in runs]
         guarded_adam_update_(state, segments, m, d, step_sizes, limits, self.config.step_guard)

@@ -20,6 +20,7 @@ from commopt.optim._zero_one import (
     sync_bucket_,
 )
 from commopt.optim.adam import (
+    IDLE_STEPS,
     momentum_from_grads_,
     momentum_step_sizes,
     update_moments_,
@@ -247,6 +248,7 @@ class ZeroOneAdam(CompressedOptimizer):
                 sl = seg.slice
                 update_moments_(m[sl], v[sl] if variance else None, g[sl], beta1, beta2)
             self._local_update(state, ctx.step, updated=variance)  # 3.
+            state.count_idle(ctx.idle, IDLE_STEPS if variance else IDLE_STEPS[:1])
         if variance:
             self._schedule.advance_variance()
             if auto_settings(self.config.var_freeze_step) is not None:
@@ -330,7 +332,9 @@ class ZeroOneAdam(CompressedOptimizer):
         k = self._schedule.variance_updates() + updated
         d = frozen_denominator(state, self.param_groups, k)
         step_sizes = momentum_step_sizes(self.param_groups, step)
-        local_update_(state, self.param_groups, step_sizes, d, self.config.step_guard)
+        own = step if self._schedule.in_phase_a(step) else None
+        guard = self.config.step_guard
+        local_update_(state, self.param_groups, step_sizes, d, guard, own_steps_at=own)
 
     # -- overlap=True: the sync staged during backward (commopt.optim._zero_one) --------------
     def _start_schedule(self) -> None:

@@ -169,3 +169,42 @@ def test_torch_compile_of_step_runs_the_step_as_it_is(info):
     compiled = run_ranks(_compiled, 2, info.name, True, timeout=120)
     for a, b in zip(eager, compiled, strict=True):
         assert torch.equal(a, b)
+
+
+def _sit_out(backend, name: str, mode: str):
+    from tests.optim_registry import BY_NAME
+
+    info = BY_NAME[name]
+    torch.manual_seed(0)
+    a, b, c = (torch.nn.Parameter(torch.randn(n)) for n in (6, 7, 5))
+    opt = info.make([a, b, c], mode=mode)
+    gen = torch.Generator().manual_seed(100 + backend.rank)
+    last = max(t for t in range(1, 2 * info.steps + 2) if info.communicates(t))
+    for t in range(1, last + 1):  # (ends on a step that syncs the replicas)
+        trains = t % 4 != 3  # b sits out steps 3, 7, 11, … on every rank
+        b.requires_grad_(trains)
+        x = torch.randn(6, generator=gen)
+        loss = (a * x).sum() ** 2 + (c * x[:5]).sum() ** 2
+        if trains:
+            loss = loss + (b * x[0]).sum() ** 2
+        opt.zero_grad()
+        loss.backward()
+        if backend.rank == 1 and t == 5:
+            c.grad = None  # on one rank only: a zero gradient there, a step c does not sit out
+        opt.step()
+    counts = [{k: v for k, v in opt.state[p].items() if "idle" in k} for p in (a, b, c)]
+    return torch.cat([a.detach(), b.detach(), c.detach()]), counts
+
+
+@pytest.mark.parametrize("info", OPTIMIZERS, ids=repr)
+@pytest.mark.parametrize("mode", ["standalone", "overlap"])
+def test_a_parameter_sitting_steps_out_counts_them_alike_on_every_rank(info, mode):
+    # Each parameter counts its own steps (torch's state[p]["step"]): the steps it sat out
+    # are counted on every rank alike, so the replicas stay identical; a gradient missing on
+    # one rank only is a zero there, not a step sat out.
+    (w0, n0), (w1, n1) = run_ranks(_sit_out, 2, info.name, mode, timeout=60)
+    assert torch.equal(w0, w1)
+    assert n0 == n1
+    assert n0[0] == {} and n0[2] == {}
+    if "bias_correction" in info.make([torch.nn.Parameter(torch.ones(1))]).defaults:
+        assert n0[1]["idle_steps"] > 0

@@ -266,3 +266,72 @@ def test_a_state_dict_from_before_the_untrained_note_resumes_exactly(info):
         twin_opt.step()
     assert torch.equal(w, twin)
     assert "cohort_starts" not in twin_opt.global_state
+
+
+# -- each parameter counts its own steps (torch's state[p]["step"]) ------------------------------
+def _sit_out_run(opt, ref, a, b, a2, b2, steps, out):
+    gen = torch.Generator().manual_seed(1)
+    for t in range(1, steps + 1):
+        ga, gb = torch.randn(a.shape, generator=gen), torch.randn(b.shape, generator=gen)
+        a.grad, a2.grad = ga.clone(), ga.clone()
+        sits_out = t in out
+        b.grad, b2.grad = (None, None) if sits_out else (gb.clone(), gb.clone())
+        opt.step()
+        ref.step()
+
+
+def test_a_parameter_that_sits_steps_out_counts_its_own_steps_as_torch_adam():
+    # Its bias correction counted every optimizer step, torch's counts the steps it had a
+    # gradient in: 1-bit Adam's warmup, which is Adam at n = 1, was 0.016 off torch.optim.Adam
+    # after a layer sat out three steps. Now bit for bit, through a state-dict round trip.
+    from tests.optim_registry import BY_NAME, reload
+
+    torch.manual_seed(0)
+    a, b = torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.randn(5))
+    a2, b2 = (torch.nn.Parameter(x.detach().clone()) for x in (a, b))
+    info = BY_NAME["OnebitAdam"]
+    opt = info.make([a, b], lr=0.01, freeze_step=1000)
+    ref = torch.optim.Adam([a2, b2], lr=0.01)
+    _sit_out_run(opt, ref, a, b, a2, b2, 9, out={3, 4, 8})
+    assert torch.equal(a, a2) and torch.equal(b, b2)
+    assert opt.state[b]["idle_steps"] == opt.state[b]["idle_variance_steps"] == 3
+    assert "idle_steps" not in opt.state[a]  # (nothing new in the state of one that never did)
+    again = info.make([a, b], lr=0.01, freeze_step=1000)
+    again.load_state_dict(reload(opt.state_dict()))
+    _sit_out_run(again, ref, a, b, a2, b2, 6, out={2})
+    assert torch.equal(a, a2) and torch.equal(b, b2)
+    assert again.state[b]["idle_steps"] == 4
+
+
+@pytest.mark.parametrize("info", OPTIMIZERS, ids=repr)
+def test_a_parameter_sitting_out_steps_in_every_phase_resumes_bit_exactly(info):
+    # The count is state: saved with state_dict(), and a run resumed after a parameter sat out
+    # steps continues bit for bit (the steps it sits out fall in every phase of the schedule).
+    from tests.optim_registry import reload
+
+    def run(opt, a, b, steps, start=1):
+        for t in range(start, start + steps):
+            gen = torch.Generator().manual_seed(t)
+            a.grad = torch.randn(a.shape, generator=gen)
+            b.grad = None if t % 3 == 0 else torch.randn(b.shape, generator=gen)
+            opt.step()
+
+    torch.manual_seed(0)
+    a, b = torch.nn.Parameter(torch.randn(6, 2)), torch.nn.Parameter(torch.randn(7))
+    before = b.detach().clone()
+    twin_a, twin_b = (torch.nn.Parameter(x.detach().clone()) for x in (a, b))
+    opt, twin = info.make([a, b]), info.make([twin_a, twin_b])
+    total = 2 * info.steps + 3
+    run(opt, a, b, total)
+    half = total // 2
+    run(twin, twin_a, twin_b, half)
+    resumed = info.make([twin_a, twin_b])
+    resumed.load_state_dict(reload(twin.state_dict()))
+    run(resumed, twin_a, twin_b, total - half, start=half + 1)
+    assert torch.equal(a, twin_a) and torch.equal(b, twin_b)
+    assert state_dict_diff(opt.state_dict(), resumed.state_dict()) == []
+    assert not torch.equal(b, before)
+    if "bias_correction" in opt.defaults:  # (1-bit LAMB corrects no bias: nothing to count)
+        # (0/1 Adam counts in phase A; phase B's step sizes are the param group's)
+        sat_out = sum(t % 3 == 0 for t in range(1, total + 1))
+        assert 0 < opt.state[b]["idle_steps"] <= sat_out

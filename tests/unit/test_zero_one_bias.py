@@ -59,9 +59,11 @@ def test_bias_factor():
 
 
 class Reference64:
-    """SPEC §4 at n = 1 in float64, with v̂ = v/(1 − β2^k) and m̂ = m/(1 − β1^t) per param group
-    (k: its variance updates, t: its steps), and s = Σ η/(1 − β1^t) over the local steps so that
-    m ← −a/s recovers m, not m̂; written from the docs, not from the optimizer."""
+    """SPEC §4 at n = 1 in float64, with v̂ = v/(1 − β2^k) and m̂ = m/(1 − β1^t) (k: the
+    parameter's variance updates; t: in phase A its own steps, in phase B its param group's),
+    and s = Σ η/(1 − β1^t) over the local steps so that m ← −a/s recovers m, not m̂; written
+    from the docs, not from the optimizer. A gradient of None in phase A: the parameter sits
+    the step out, as in torch.optim (nothing changes, nothing counts)."""
 
     def __init__(self, lr, betas, eps, wd, freeze, scaler, local_scaler, clipper):
         self.hp = (lr, betas, eps, wd)
@@ -75,16 +77,19 @@ class Reference64:
                 "p": [q.detach().double().clone() for q in params],
                 "m": [torch.zeros(q.shape, dtype=torch.float64) for q in params],
                 "v": [torch.zeros(q.shape, dtype=torch.float64) for q in params],
-                "k": 0,
+                "k": [0] * len(params),
+                "own_t": [0] * len(params),
                 "t": 0,
                 "lrs": 0.0,
             }
         )
 
-    def _d(self, group, k):
+    def _d(self, group):
         _, (_, b2), eps, _ = self.hp
-        bias = 1 - b2**k if k else 1.0
-        return [(v / bias).sqrt() + eps for v in group["v"]]
+        return [
+            (v / (1 - b2**k if k else 1.0)).sqrt() + eps
+            for v, k in zip(group["v"], group["k"], strict=True)
+        ]
 
     def step(self, grads):
         lr, (b1, b2), _, wd = self.hp
@@ -92,23 +97,33 @@ class Reference64:
         variance = self.t in self.variance
         if self.t > self.freeze and self.p_sync is None:
             self.p_sync = [[q.clone() for q in g["p"]] for g in self.groups]
+        phase_b = self.t > self.freeze
         for group, gs in zip(self.groups, grads, strict=True):
-            group["k"] += variance
             group["t"] += 1
-            step_size = lr / (1 - b1 ** group["t"])
+            group_size = lr / (1 - b1 ** group["t"])
+            sizes = []
             for i, g in enumerate(gs):
+                sizes.append(None if g is None else group_size)
+                if g is None:
+                    assert not phase_b, "the reference sits steps out in phase A only"
+                    continue
+                group["k"][i] += variance
+                group["own_t"][i] += 1
+                if not phase_b:
+                    sizes[i] = lr / (1 - b1 ** group["own_t"][i])
                 g = g.double()
                 group["m"][i] = b1 * group["m"][i] + (1 - b1) * g
                 if variance:
                     group["v"][i] = b2 * group["v"][i] + (1 - b2) * g * g
-            d = self._d(group, group["k"])
+            d = self._d(group)
             for i, q in enumerate(group["p"]):
-                group["p"][i] = q - step_size * group["m"][i] / d[i] - lr * wd * q
-            if self.t > self.freeze:
-                group["lrs"] += step_size
+                if sizes[i] is not None:
+                    group["p"][i] = q - sizes[i] * group["m"][i] / d[i] - lr * wd * q
+            if phase_b:
+                group["lrs"] += group_size
         if self.t > self.freeze and self.t in self.sync:
             for j, group in enumerate(self.groups):
-                d = self._d(group, group["k"])
+                d = self._d(group)
                 for i in range(len(group["p"])):
                     acc = (group["p"][i] - self.p_sync[j][i]) * d[i]
                     group["m"][i] = -acc / group["lrs"]
@@ -145,7 +160,34 @@ def test_whole_run_matches_float64_reference_with_a_group_added_later():
                     opt.state[q]["exp_avg_sq"].double(), rg["v"][i], atol=1e-9, rtol=1e-6
                 )
     # k: variance steps 1, 2, 4, 6, 8 of T_v = 9; the later group had 4, 6, 8
-    assert [g["k"] for g in ref.groups] == [5, 3]
+    assert [g["k"] for g in ref.groups] == [[5, 5], [3]]
+
+
+def test_a_parameter_sitting_out_phase_a_steps_counts_its_own_updates():
+    # torch counts each parameter's steps: one that sat out steps 3-5 (variance step 4
+    # among them) has had 4 variance updates, not 5, and its m̂ counts its own steps. Before,
+    # both counted every step of its group.
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in [(4, 3), (3,)]]
+    hp = dict(lr=0.01, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.05)
+    opt = ZeroOneAdam(params, backend=SINGLE, bias_correction=True, step_guard=False, **hp, **SCHED)
+    ref = Reference64(0.01, (0.8, 0.99), 1e-6, 0.05, 9, 2, 2, 4)
+    ref.add_group(params)
+    for t in range(1, 26):
+        grads = [torch.randn(q.shape, generator=gen) for q in params]
+        if t in (3, 4, 5):
+            grads[1] = None
+        for q, g in zip(params, grads, strict=True):
+            q.grad = None if g is None else g.clone()
+        opt.step()
+        ref.step([grads])
+        for i, q in enumerate(params):
+            torch.testing.assert_close(
+                q.detach().double(), ref.groups[0]["p"][i], atol=1e-6, rtol=1e-5
+            )
+    assert ref.groups[0]["k"] == [5, 4]
+    assert opt.state[params[1]]["idle_steps"] == 3
+    assert opt.state[params[1]]["idle_variance_steps"] == 1
 
 
 def test_first_step_is_adams_and_k_freezes_with_v():
