@@ -5,9 +5,8 @@ a few hundred training steps amplify an ulp into another trajectory: on this pro
 AVX-512 machine the convergence suite's digits LAMB ended at validation loss 0.0404 uncapped and
 0.0218 capped, the demo's OnebitAdam at 2.1137 instead of 2.1124. Capped, a run is a function
 of the code and its settings on any x86-64 CPU with AVX2. Variables already set are kept.
-Imports nothing: use it before anything imports torch. (The demo script,
-experiments/demo/train_bytelm.py, runs without this package on its path and sets the same
-three itself.)
+Imports nothing: use it before anything imports torch (the demo script,
+experiments/demo/train_bytelm.py, calls it first thing).
 """
 
 from __future__ import annotations

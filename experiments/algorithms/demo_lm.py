@@ -1,6 +1,6 @@
-r"""Run extra optimizer variants on the demo's byte-level LM (experiments/demo/train_bytelm.py).
+r"""Run extra optimizer variants on the demo's byte-level LM (:mod:`experiments.harness.bytelm`).
 
-The demo's model, corpus, batches, evaluation sets and training loop, unchanged; only the list of
+The demo's model, corpus, batches, evaluation sets and training run, unchanged; only the list of
 variants is ours. 4 forked gloo ranks (or the launcher's ranks under torchrun/mpirun).
 """
 
@@ -14,8 +14,7 @@ from typing import Any
 import torch
 
 from commopt.comm import resolve_backend
-from experiments.demo import train_bytelm as demo
-from experiments.harness import describe_machine, launch
+from experiments.harness import bytelm, describe_machine, launch
 
 __all__ = ["ADAM", "SMALL", "run_demo_variants", "run_seeds", "seed_table"]
 
@@ -26,14 +25,14 @@ SMALL = dict(batch=4, hidden=16, embed=8, eval_contexts=64, max_corpus_bytes=2_0
 ADAM = "Adam"
 
 
-def train_variants(variants: list[demo.Variant], cfg: demo.Config) -> dict[str, Any]:
-    train_data, val_data, _, _ = demo.load_corpus(cfg.max_corpus_bytes)
-    eval_sets = demo.fixed_eval_sets(train_data, val_data, cfg)
+def train_variants(variants: list[bytelm.Variant], cfg: bytelm.Config) -> dict[str, Any]:
+    train_data, val_data, _, _ = bytelm.load_corpus(cfg.max_corpus_bytes)
+    eval_sets = bytelm.fixed_eval_sets(train_data, val_data, cfg)
     out = {}
     backend = resolve_backend(None)  # the one the optimizers resolve too: its counter is theirs
     for variant in variants:
         backend.stats.reset()
-        result = demo.train(variant, cfg, backend, train_data, eval_sets, lambda msg: None)
+        result = bytelm.train(variant, cfg, backend, train_data, eval_sets, lambda msg: None)
         out[variant.label] = {
             "val_loss": result.val_loss,
             "train_loss": result.train_loss,
@@ -46,37 +45,37 @@ def train_variants(variants: list[demo.Variant], cfg: demo.Config) -> dict[str, 
 
 
 def run_demo_variants(
-    makers: dict[str, Callable[[Any, demo.Config], torch.optim.Optimizer]],
-    cfg: demo.Config | None = None,
+    makers: dict[str, Callable[[Any, bytelm.Config], torch.optim.Optimizer]],
+    cfg: bytelm.Config | None = None,
     world_size: int = 4,
 ) -> dict[str, Any]:
     """{label: {val_loss, train_loss, bytes, skipped, identical}} after the demo's training."""
-    cfg = cfg or demo.Config()
+    cfg = cfg or bytelm.Config()
     variants = [
-        demo.Variant(label, make, False, lambda c: c.warmup + 1, label)
+        bytelm.Variant(label, make, False, lambda c: c.warmup + 1, label)
         for label, make in makers.items()
     ]
     return launch(train_variants, world_size, variants, cfg, timeout=7200.0)
 
 
 def run_seeds(
-    makers: dict[str, Callable[[Any, demo.Config], torch.optim.Optimizer] | None],
+    makers: dict[str, Callable[[Any, bytelm.Config], torch.optim.Optimizer] | None],
     seeds: list[int],
     world_size: int = 4,
     **config: Any,
 ) -> dict[int, dict[str, Any]]:
-    """{seed: {label: {val_loss, …}}}: every maker trained on the demo with ``demo.Config(seed,
+    """{seed: {label: {val_loss, …}}}: every maker trained on the demo with ``bytelm.Config(seed,
     **config)``; a maker of None is the reference, ``torch.optim.Adam(lr=cfg.lr)`` on gradients
     averaged at fp32 by the training loop. Prints each seed's results as it finishes."""
     per_seed = {}
     for seed in seeds:
         variants = [
-            demo.Variant(label, lambda p, c: torch.optim.Adam(p, lr=c.lr), True, None, label)
+            bytelm.Variant(label, lambda p, c: torch.optim.Adam(p, lr=c.lr), True, None, label)
             if make is None
-            else demo.Variant(label, make, False, lambda c: c.warmup + 1, label)
+            else bytelm.Variant(label, make, False, lambda c: c.warmup + 1, label)
             for label, make in makers.items()
         ]
-        cfg = demo.Config(seed=seed, **config)
+        cfg = bytelm.Config(seed=seed, **config)
         per_seed[seed] = launch(train_variants, world_size, variants, cfg, timeout=7200.0)
         print(seed, {k: v for k, v in per_seed[seed].items() if k != "_machine"}, flush=True)
     return per_seed

@@ -21,15 +21,14 @@ from typing import Any
 
 import commopt
 from experiments.algorithms.demo_lm import ADAM, SMALL, run_seeds, seed_table
-from experiments.demo import train_bytelm as demo
-from experiments.harness import describe_machine
+from experiments.harness import bytelm, describe_machine
 
 OUT = pathlib.Path(__file__).parent / "results"
 ETAS = (0.0, 0.01, 0.05, 0.2, 0.5, 1.0)
 
 
 def _onebit(**kw: Any) -> Callable[..., Any]:
-    def build(params: Any, cfg: demo.Config) -> commopt.OnebitAdam:
+    def build(params: Any, cfg: bytelm.Config) -> commopt.OnebitAdam:
         return commopt.OnebitAdam(params, lr=cfg.lr, freeze_step=cfg.warmup, **kw)
 
     return build
@@ -47,8 +46,8 @@ VARIANTS: dict[str, Callable[..., Any]] = {
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", default="0")
-    parser.add_argument("--steps", type=int, default=demo.Config.steps)
-    parser.add_argument("--warmup", type=int, default=demo.Config.warmup, help="freeze_step")
+    parser.add_argument("--steps", type=int, default=bytelm.Config.steps)
+    parser.add_argument("--warmup", type=int, default=bytelm.Config.warmup, help="freeze_step")
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--small", action="store_true", help="a tiny model and corpus (tests)")
     parser.add_argument("--out", type=pathlib.Path, default=OUT)

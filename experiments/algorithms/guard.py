@@ -23,7 +23,7 @@ from typing import Any
 
 import commopt
 from experiments.algorithms.demo_lm import SMALL, run_demo_variants, seed_table
-from experiments.demo import train_bytelm as demo
+from experiments.harness import bytelm
 
 OUT = pathlib.Path(__file__).parent / "results"
 GUARDS: dict[str, Any] = {"tiny": "tiny", "all": True, "off": False}
@@ -74,8 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated labels")
     parser.add_argument("--seeds", default="0", help="demo seeds (model init and batches)")
-    parser.add_argument("--steps", type=int, default=demo.Config.steps)
-    parser.add_argument("--warmup", type=int, default=demo.Config.warmup)
+    parser.add_argument("--steps", type=int, default=bytelm.Config.steps)
+    parser.add_argument("--warmup", type=int, default=bytelm.Config.warmup)
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--small", action="store_true", help="a tiny model and corpus (tests)")
     parser.add_argument("--out", type=pathlib.Path, default=OUT)
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     extra = SMALL if args.small else {}
     per_seed = {}
     for seed in seeds:
-        cfg = demo.Config(steps=args.steps, warmup=args.warmup, seed=seed, **extra)
+        cfg = bytelm.Config(steps=args.steps, warmup=args.warmup, seed=seed, **extra)
         per_seed[seed] = run_demo_variants(chosen, cfg, world_size=args.ranks)
     first = per_seed[seeds[0]]
     lines = [

@@ -28,8 +28,8 @@ import torch
 
 from commopt import OnebitLamb
 from experiments.algorithms.demo_lm import run_demo_variants
-from experiments.demo.train_bytelm import Config
 from experiments.harness import run_ranks
+from experiments.harness.bytelm import Config
 from experiments.harness.small_tasks import (
     ADAM_LR,
     DIM,

@@ -25,8 +25,7 @@ import torch
 
 import commopt
 from experiments.algorithms.demo_lm import SMALL, seed_table, train_variants
-from experiments.demo import train_bytelm as demo
-from experiments.harness import describe_machine, launch
+from experiments.harness import bytelm, describe_machine, launch
 
 OUT = pathlib.Path(__file__).parent / "results"
 DEFAULT_FREEZE = 100_000
@@ -65,24 +64,24 @@ VARIANTS: dict[str, Any] = {
 }
 
 
-def _variant(label: str) -> demo.Variant:
+def _variant(label: str) -> bytelm.Variant:
     if label == ADAM:
-        return demo.Variant(
+        return bytelm.Variant(
             ADAM,
             lambda params, cfg: torch.optim.Adam(params, lr=cfg.lr),
             True,
             None,
             "torch.optim.Adam",
         )
-    return demo.Variant(label, VARIANTS[label], False, lambda c: c.warmup + 1, label)
+    return bytelm.Variant(label, VARIANTS[label], False, lambda c: c.warmup + 1, label)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated labels")
     parser.add_argument("--seeds", default="0", help="demo seeds (model init and batches)")
-    parser.add_argument("--steps", type=int, default=demo.Config.steps)
-    parser.add_argument("--warmup", type=int, default=demo.Config.warmup, help="T_v of the rows")
+    parser.add_argument("--steps", type=int, default=bytelm.Config.steps)
+    parser.add_argument("--warmup", type=int, default=bytelm.Config.warmup, help="T_v of the rows")
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--small", action="store_true", help="a tiny model and corpus (tests)")
     parser.add_argument("--out", type=pathlib.Path, default=OUT)
@@ -92,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     extra = SMALL if args.small else {}
     per_seed = {}
     for seed in seeds:
-        cfg = demo.Config(steps=args.steps, warmup=args.warmup, seed=seed, **extra)
+        cfg = bytelm.Config(steps=args.steps, warmup=args.warmup, seed=seed, **extra)
         variants = [_variant(label) for label in labels]
         per_seed[seed] = launch(train_variants, args.ranks, variants, cfg, timeout=7200.0)
         print(seed, {k: v for k, v in per_seed[seed].items() if k != "_machine"}, flush=True)

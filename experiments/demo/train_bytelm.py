@@ -6,20 +6,10 @@ Run it under a launcher, one process per rank (``scripts/demo.sh`` does this)::
     mpiexec -n 4 python experiments/demo/train_bytelm.py
     torchrun --nproc_per_node=4 experiments/demo/train_bytelm.py
 
-Corpus: the Python standard library's own ``.py`` files (``sysconfig.get_paths()["stdlib"]``,
-without ``site-packages``, ``test`` and ``idlelib``), read in sorted order. A file goes to the
-validation set when ``crc32(relative path) % 10 == 0``, so the split is by file and the same on
-every rank and every run on a given Python installation.
-
-Model: a Bengio-style neural n-gram model over bytes. The previous ``context`` bytes are embedded,
-concatenated and fed to a two-layer GELU MLP that predicts the next byte (256-way softmax). The
-loss is cross-entropy in nats per byte (divide by ln 2 for bits per byte).
-
-Every optimizer variant in :data:`VARIANTS` trains the same model from the same initial weights
-(rank 0's, via ``commopt.broadcast_parameters``) on the same batches: step t draws one global
-batch of ``n·batch`` positions from a generator seeded with ``seed``; rank r trains on slice r.
-Bytes sent are the commopt backend's modelled per-rank bytes (``backend.stats``, SPEC §7) over
-the training steps only; evaluation uses ``torch.distributed`` directly and is not counted.
+The task (the corpus, the model, one training run over the harness's training loop) is
+:mod:`experiments.harness.bytelm`; this script is the demo's rows and its table. Every row trains
+the same model from the same initial weights on the same batches; bytes sent are the commopt
+backend's modelled per-rank bytes over the training steps only.
 
 Adding an optimizer is one entry in :data:`VARIANTS`.
 """
@@ -36,84 +26,36 @@ import sys
 import sysconfig
 import time
 import warnings
-import zlib
-from collections.abc import Callable, Iterable
+
+if __package__ in (None, ""):  # run as a script (mpiexec python experiments/demo/train_bytelm.py)
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 
 # The figures the demo writes are a pure function of the code, the settings *and* torch's CPU
-# kernels: ATen, MKL and oneDNN choose AVX2 or AVX-512 code by CPU, which round differently by
-# an ulp, and the 1-bit rows amplify an ulp into another trajectory (an AVX-512 machine moved
-# OnebitAdam's validation loss from 2.1124 to 2.1137). Capping all three at AVX2, before torch
-# loads them, makes the table reproduce on any x86-64 CPU with AVX2; set these variables
-# yourself to choose otherwise. tests/conftest.py sets the same ones for the test suite.
-for _name, _value in (
-    ("ATEN_CPU_CAPABILITY", "avx2"),
-    ("MKL_ENABLE_INSTRUCTIONS", "AVX2"),
-    ("ONEDNN_MAX_CPU_ISA", "AVX2"),
-):
-    os.environ.setdefault(_name, _value)
+# kernels (AVX2 and AVX-512 round differently by an ulp, and the 1-bit rows amplify an ulp into
+# another trajectory: an AVX-512 machine moved OnebitAdam's validation loss from 2.1124 to
+# 2.1137). Capped at AVX2 before torch loads them, the table reproduces on any x86-64 CPU with
+# AVX2; set the variables yourself to choose otherwise (experiments/cpu_isa.py).
+from experiments.cpu_isa import cap_at_avx2
+
+cap_at_avx2()
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch import nn
 
 import commopt
 from commopt.kernels import get_kernels
+from experiments.harness.bytelm import (
+    DEMO_TABLE,
+    ByteMLP,
+    Config,
+    Result,
+    Variant,
+    fixed_eval_sets,
+    load_corpus,
+    train,
+)
 
-__all__ = [
-    "VARIANTS",
-    "ByteMLP",
-    "Config",
-    "Variant",
-    "fixed_eval_sets",
-    "load_corpus",
-    "main",
-    "train",
-]
-
-_EXCLUDED_DIRS = {"site-packages", "dist-packages", "test", "tests", "idlelib", "__pycache__"}
-
-
-# -- configuration and the list of optimizers ---------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class Config:
-    """Everything a run depends on (identical on every rank)."""
-
-    steps: int = 300
-    """optimizer steps per variant"""
-    warmup: int = 75
-    """full-precision warmup steps of the compressed optimizers (OnebitAdam's freeze_step)"""
-    batch: int = 64
-    """contexts per rank per step"""
-    context: int = 32
-    """bytes of context the model sees"""
-    embed: int = 32
-    hidden: int = 384
-    lr: float = 2e-3
-    seed: int = 0
-    eval_contexts: int = 4096
-    """contexts in each of the fixed train and validation evaluation sets"""
-    log_every: int = 25
-    max_corpus_bytes: int = 12_000_000
-    sync_every: int = 10
-    """DiLoCo's H: inner steps between two syncs of the pseudo-gradient"""
-
-
-@dataclasses.dataclass(frozen=True)
-class Variant:
-    """One row of the table: how to build the optimizer and how it communicates.
-
-    ``make(params, cfg)`` returns the optimizer. ``average_gradients``: the training loop
-    all-reduces the gradients (fp32, one flat buffer per step) before ``step()``; use it for
-    plain ``torch.optim`` optimizers. The commopt optimizers average on their own.
-    ``compression_from(cfg)`` is the first step of the compression stage (``None``: never).
-    """
-
-    label: str
-    make: Callable[[Iterable[nn.Parameter], Config], torch.optim.Optimizer]
-    average_gradients: bool
-    compression_from: Callable[[Config], int] | None
-    description: str
+__all__ = ["TABLE", "VARIANTS", "main", "report", "write_table"]
 
 
 # Hyperparameters of the rows, chosen before any run of this demo and not tuned against it:
@@ -218,217 +160,12 @@ VARIANTS: list[Variant] = [
 ]
 
 
-# -- data ----------------------------------------------------------------------------------------
-def load_corpus(max_bytes: int) -> tuple[torch.Tensor, torch.Tensor, int, int]:
-    """(train bytes, validation bytes, train files, validation files) from the stdlib sources."""
-    root = pathlib.Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(
-        p for p in root.rglob("*.py") if not _EXCLUDED_DIRS & set(p.relative_to(root).parts[:-1])
-    )
-    train, val, total = [], [], 0
-    for path in files:
-        rel = path.relative_to(root).as_posix()
-        data = path.read_bytes()
-        if total + len(data) > max_bytes:
-            break
-        total += len(data)
-        (val if zlib.crc32(rel.encode()) % 10 == 0 else train).append(data)
-    if not train or not val:
-        raise RuntimeError(f"found too few standard-library sources under {root}")
-
-    def as_tensor(parts: list[bytes]) -> torch.Tensor:
-        return torch.frombuffer(bytearray(b"\n".join(parts)), dtype=torch.uint8).long()
-
-    return as_tensor(train), as_tensor(val), len(train), len(val)
-
-
-def fixed_eval_sets(
-    train_data: torch.Tensor, val_data: torch.Tensor, cfg: Config
-) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """{"train", "val"} → (bytes, ``cfg.eval_contexts`` fixed window starts), seeded by cfg."""
-    gen = torch.Generator().manual_seed(cfg.seed + 2)
-    return {
-        name: (
-            data,
-            torch.randint(0, len(data) - cfg.context - 1, (cfg.eval_contexts,), generator=gen),
-        )
-        for name, data in (("train", train_data), ("val", val_data))
-    }
-
-
-def contexts(
-    data: torch.Tensor, starts: torch.Tensor, context: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inputs [B, context] and next-byte targets [B] for windows starting at ``starts``."""
-    idx = starts[:, None] + torch.arange(context + 1)
-    windows = data[idx]
-    return windows[:, :-1], windows[:, -1]
-
-
-# -- model ---------------------------------------------------------------------------------------
-class ByteMLP(nn.Module):
-    """Embed ``context`` bytes, concatenate, two GELU layers, logits over the next byte."""
-
-    def __init__(self, context: int, embed: int, hidden: int) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(256, embed)
-        self.net = nn.Sequential(
-            nn.Linear(context * embed, hidden),
-            nn.GELU(),
-            nn.Linear(hidden, hidden),
-            nn.GELU(),
-            nn.Linear(hidden, 256),
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(self.embed(x).flatten(1))
-
-
-# -- one training run ----------------------------------------------------------------------------
-@dataclasses.dataclass
-class Result:
-    label: str
-    train_loss: float
-    val_loss: float
-    loss_at_warmup: float
-    step_bytes: list[int]
-    step_ms: list[float]
-    opt_ms: list[float]
-    calls: int
-    """collective calls of the commopt backend over the training steps (flags included)"""
-    full_rounds: int
-    """full-precision (fp32) averaging rounds"""
-    compressed_rounds: int
-    """1-bit compressed_allreduce rounds"""
-    skipped_steps: int
-    """steps a commopt optimizer skipped on every rank (non-finite gradient somewhere)"""
-    identical: bool
-
-
-def _sum_over_ranks(values: list[float]) -> list[float]:
-    t = torch.tensor(values, dtype=torch.float64)
-    if dist.is_initialized():
-        dist.all_reduce(t)  # metrics only: deliberately not through the counted commopt backend
-    return t.tolist()
-
-
-@torch.no_grad()
-def evaluate(model: nn.Module, data: torch.Tensor, starts: torch.Tensor, cfg: Config) -> float:
-    """Mean loss over ``starts`` (every rank evaluates its share; the sum is all-reduced)."""
-    rank, n = _rank_and_size()
-    mine = starts[rank::n]
-    total = 0.0
-    for piece in mine.split(1024):
-        x, y = contexts(data, piece, cfg.context)
-        total += float(F.cross_entropy(model(x), y, reduction="sum"))
-    loss_sum, count = _sum_over_ranks([total, float(len(mine))])
-    return loss_sum / count
-
-
-def _rank_and_size() -> tuple[int, int]:
-    if dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-def replicas_identical(model: nn.Module) -> bool:
-    """True when every rank holds bit-identical parameters (compared against rank 0's)."""
-    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    if not dist.is_initialized():
-        return True
-    ref = flat.clone()
-    dist.broadcast(ref, src=0)
-    same = torch.tensor([int(torch.equal(ref, flat))])
-    dist.all_reduce(same, op=dist.ReduceOp.MIN)
-    return bool(same)
-
-
-def train(
-    variant: Variant,
-    cfg: Config,
-    backend: commopt.Backend,
-    train_data: torch.Tensor,
-    eval_sets: dict[str, tuple[torch.Tensor, torch.Tensor]],
-    log: Callable[[str], None],
-) -> Result:
-    rank, n = backend.rank, backend.world_size
-    torch.manual_seed(cfg.seed)
-    model = ByteMLP(cfg.context, cfg.embed, cfg.hidden)
-    commopt.broadcast_parameters(model, backend=backend)
-    optimizer = variant.make(model.parameters(), cfg)
-    params = [p for p in model.parameters()]
-    batches = torch.Generator().manual_seed(cfg.seed + 1)
-    high = len(train_data) - cfg.context - 1
-
-    step_bytes, step_ms, opt_ms = [], [], []
-    calls = plain_all_reduces = 0
-    loss_at_warmup = math.nan
-    compression_from = variant.compression_from(cfg) if variant.compression_from else None
-    for step in range(1, cfg.steps + 1):
-        starts = torch.randint(0, high, (n * cfg.batch,), generator=batches)
-        x, y = contexts(train_data, starts[rank * cfg.batch : (rank + 1) * cfg.batch], cfg.context)
-        t0 = time.perf_counter()
-        loss = F.cross_entropy(model(x), y)
-        optimizer.zero_grad(set_to_none=False)
-        loss.backward()
-        t1 = time.perf_counter()
-        sent_before, calls_before = backend.stats.bytes_sent, backend.stats.calls
-        if variant.average_gradients:
-            flat = torch.cat([p.grad.reshape(-1) for p in params])
-            backend.all_reduce(flat, "avg")
-            plain_all_reduces += 1
-            offset = 0
-            for p in params:
-                p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))
-                offset += p.numel()
-        optimizer.step()
-        t2 = time.perf_counter()
-        step_bytes.append(backend.stats.bytes_sent - sent_before)
-        calls += backend.stats.calls - calls_before
-        step_ms.append((t2 - t0) * 1e3)
-        opt_ms.append((t2 - t1) * 1e3)
-        if step == cfg.warmup:
-            loss_at_warmup = evaluate(model, *eval_sets["val"], cfg)
-        if step % cfg.log_every == 0 or step == cfg.steps:
-            stage = ""
-            if compression_from is not None:
-                stage = " [1-bit]" if step >= compression_from else " [warmup]"
-            log(
-                f"  {variant.label:<12} step {step:4d}/{cfg.steps}"
-                f"  batch loss {float(loss.detach()):.3f}"
-                f"  {statistics.median(step_ms[-cfg.log_every :]):6.1f} ms/step{stage}"
-            )
-    if isinstance(optimizer, commopt.DiLoCo):
-        optimizer.finish()  # nothing to do when H divides the steps
-        full_rounds, compressed_rounds, skipped = 0, optimizer.comm_stats()["syncs"], 0
-    elif isinstance(optimizer, commopt.optim.CompressedOptimizer):
-        stats = optimizer.comm_stats()
-        full_rounds, compressed_rounds = stats["full_precision_rounds"], stats["compressed_rounds"]
-        skipped = stats["skipped_steps"]
-    else:  # a torch.optim optimizer: the loop's fp32 all_reduce per step is the only round
-        full_rounds, compressed_rounds, skipped = plain_all_reduces, 0, 0
-    return Result(
-        label=variant.label,
-        train_loss=evaluate(model, *eval_sets["train"], cfg),
-        val_loss=evaluate(model, *eval_sets["val"], cfg),
-        loss_at_warmup=loss_at_warmup,
-        step_bytes=step_bytes,
-        step_ms=step_ms,
-        opt_ms=opt_ms,
-        calls=calls,
-        full_rounds=full_rounds,
-        compressed_rounds=compressed_rounds,
-        skipped_steps=skipped,
-        identical=replicas_identical(model),
-    )
-
-
 # -- report --------------------------------------------------------------------------------------
 def _mb(nbytes: float) -> str:
     return f"{nbytes / 1e6:.2f} MB"
 
 
-TABLE = pathlib.Path(__file__).parent / "results" / "table.md"
+TABLE = DEMO_TABLE
 """Where a run with the default settings writes its table; the README quotes it
 (tests/unit/test_readme_demo_table.py) and a test re-trains the six rows and compares."""
 

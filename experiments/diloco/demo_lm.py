@@ -4,8 +4,8 @@ r"""DiLoCo variants on the README demo's byte-level LM, one seed, beside its com
     python -m experiments.diloco.demo_lm --variants none-H10,onebit-H10,onebit-H10-tensor
 
 Each variant is ``COMPRESSION-HK[-wW][-oR][-tensor]`` (compression, ``sync_every`` K, warmup
-steps W, outer lr R, one 1-bit scale per tensor) around the demo's Adam row, trained with the
-demo's own loop and settings (experiments/demo/train_bytelm.py: 4 forked gloo ranks, 300
+steps W, outer lr R, one 1-bit scale per tensor) around the demo's Adam row, trained on the
+demo's task with its settings (:mod:`experiments.harness.bytelm`: 4 forked gloo ranks, 300
 steps, rank 0's weights, the same batches). Prints each variant's final validation loss and
 its gap to the Adam row of the committed table (experiments/demo/results/table.md).
 """
@@ -24,8 +24,7 @@ from typing import Any
 import torch
 
 import commopt
-from experiments.demo import train_bytelm as demo
-from experiments.harness import launch
+from experiments.harness import bytelm, launch
 
 __all__ = ["main", "parse"]
 
@@ -50,10 +49,10 @@ def parse(spec: str) -> dict[str, Any]:
 
 
 def _train(specs: list[str]) -> dict[str, float]:
-    cfg = demo.Config()
+    cfg = bytelm.Config()
     backend = commopt.comm.resolve_backend(None)
-    train_data, val_data, _, _ = demo.load_corpus(cfg.max_corpus_bytes)
-    eval_sets = demo.fixed_eval_sets(train_data, val_data, cfg)
+    train_data, val_data, _, _ = bytelm.load_corpus(cfg.max_corpus_bytes)
+    eval_sets = bytelm.fixed_eval_sets(train_data, val_data, cfg)
     out = {}
     for spec in specs:
         kw = parse(spec)
@@ -61,16 +60,16 @@ def _train(specs: list[str]) -> dict[str, float]:
         def make(params, c, kw=kw):
             return commopt.DiLoCo(torch.optim.Adam(params, lr=c.lr), **kw)
 
-        variant = demo.Variant(spec, make, False, None, f"commopt.DiLoCo(Adam, {kw})")
-        out[spec] = demo.train(variant, cfg, backend, train_data, eval_sets, lambda _: None)
+        variant = bytelm.Variant(spec, make, False, None, f"commopt.DiLoCo(Adam, {kw})")
+        out[spec] = bytelm.train(variant, cfg, backend, train_data, eval_sets, lambda _: None)
     return {k: r.val_loss for k, r in out.items()}
 
 
 def _adam_of_table() -> float:
-    for line in demo.TABLE.read_text().splitlines():
+    for line in bytelm.DEMO_TABLE.read_text().splitlines():
         if line.startswith("| Adam "):
             return float(line.split("|")[3])
-    raise SystemExit(f"no Adam row in {demo.TABLE}")
+    raise SystemExit(f"no Adam row in {bytelm.DEMO_TABLE}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -79,8 +79,8 @@ class TinyGPT(nn.Module):
 class LMTask:
     """Next-byte prediction on the Python standard library's ``.py`` sources.
 
-    The corpus and its by-file split (``crc32(path) % 10 == 0`` → validation) come from the demo
-    (``experiments/demo/train_bytelm.py: load_corpus``). Loss: mean cross-entropy over every
+    The corpus and its by-file split (``crc32(path) % 10 == 0`` → validation) are the demo's
+    (:func:`experiments.harness.bytelm.load_corpus`). Loss: mean cross-entropy over every
     position of a ``context``-byte window; the metric is validation bits per byte.
     """
 
@@ -96,7 +96,7 @@ class LMTask:
     metric_name: str = "val bits/byte"
 
     def __post_init__(self) -> None:
-        from experiments.demo.train_bytelm import load_corpus
+        from experiments.harness.bytelm import load_corpus
 
         self.train, self.val, self.n_train, self.n_val = load_corpus(self.max_corpus_bytes)
         gen = torch.Generator().manual_seed(self.seed + 2)

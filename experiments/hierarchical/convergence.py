@@ -24,40 +24,61 @@ import sys
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 import commopt
-from experiments.harness import launch
+from experiments.harness import Setup, launch, sum_over_ranks, train_on_task
 
 __all__ = ["main"]
 
 
-def _data(gen: torch.Generator, teacher: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    x = torch.randn(n, teacher.shape[0], generator=gen)
-    return x, (torch.tanh(x @ teacher) + 0.1 * torch.randn(n, 10, generator=gen)).argmax(1)
+class _TeacherTask:
+    """A fixed random teacher's labels, argmax(tanh(x·T) + 0.1·noise) for x ~ N(0, I₃₂), as a
+    harness task: each rank draws its own batches of 64; evaluation is the loss on a held-out
+    set of 4096 examples, averaged over the ranks."""
+
+    def __init__(self, seed: int, rank: int) -> None:
+        self.teacher = torch.randn(32, 10, generator=torch.Generator().manual_seed(1000 + seed))
+        self._gen = torch.Generator().manual_seed(100 * seed + rank)
+
+    def data(self, gen: torch.Generator, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x = torch.randn(n, self.teacher.shape[0], generator=gen)
+        noise = 0.1 * torch.randn(n, 10, generator=gen)
+        return x, (torch.tanh(x @ self.teacher) + noise).argmax(1)
+
+    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        del step  # (drawn in order)
+        return self.data(self._gen, 64)
+
+    def loss(self, model: torch.nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        x, y = batch
+        return F.cross_entropy(model(x), y)
+
+    @torch.no_grad()
+    def evaluate(self, model: torch.nn.Module) -> tuple[float, float]:
+        x, y = self.data(torch.Generator().manual_seed(7), 4096)
+        loss = sum_over_ranks([F.cross_entropy(model(x), y).item()])[0] / dist.get_world_size()
+        return loss, loss
 
 
 def _train(topology: str, seed: int, steps: int) -> float:
-    rank, n = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     os.environ.update(LOCAL_RANK=str(rank % 2), LOCAL_WORLD_SIZE="2", GROUP_RANK=str(rank // 2))
-    teacher = torch.randn(32, 10, generator=torch.Generator().manual_seed(1000 + seed))
+    task = _TeacherTask(seed, rank)
     torch.manual_seed(seed)
     model = torch.nn.Sequential(
         torch.nn.Linear(32, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256), torch.nn.ReLU(),
         torch.nn.Linear(256, 10),
     )  # fmt: skip
     opt = commopt.OnebitAdam(model.parameters(), lr=2e-3, freeze_step=50, topology=topology)
-    gen = torch.Generator().manual_seed(100 * seed + rank)
-    loss_fn = torch.nn.CrossEntropyLoss()
-    for _ in range(steps):
-        x, y = _data(gen, teacher, 64)
-        opt.zero_grad()
-        loss_fn(model(x), y).backward()
-        opt.step()
-    x, y = _data(torch.Generator().manual_seed(7), teacher, 4096)
-    with torch.no_grad():
-        loss = torch.tensor([loss_fn(model(x), y).item()])
-    dist.all_reduce(loss)
-    return float(loss) / n
+    final: list[float] = []
+
+    def record(step: int, evaluation: tuple[float, float] | None, seconds: float) -> None:
+        if evaluation is not None:
+            final.append(evaluation[0])
+
+    train_on_task(task, Setup(topology, model, opt, None, None, False), steps, steps, record)
+    return final[-1]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -312,9 +312,8 @@ def test_the_optimizer_argument_checker_finds_one(tmp_path: pathlib.Path) -> Non
     assert _takes_the_optimizer(path) == ["m.py:1: f(o)", "m.py:2: g(opt)"]
 
 
-def test_experiments_import_nothing_from_tests() -> None:
-    """The experiments' harness (experiments/harness/) owns the rank launcher and the small
-    tasks; tests may import it, not the reverse."""
+def _experiments_importing(prefix: str) -> list[str]:
+    """``file:line`` of every import in experiments/ of a module under ``prefix``."""
     repo = ROOT.parent
     found = []
     for path in sorted((repo / "experiments").rglob("*.py")):
@@ -324,5 +323,21 @@ def test_experiments_import_nothing_from_tests() -> None:
                 names = [node.module or ""]
             elif isinstance(node, ast.Import):
                 names = [a.name for a in node.names]
-            found += [f"{path.name}:{node.lineno}" for n in names if n.split(".")[0] == "tests"]
-    assert found == []
+            found += [
+                f"{path.name}:{node.lineno}"
+                for n in names
+                if n == prefix or n.startswith(prefix + ".")
+            ]
+    return found
+
+
+def test_experiments_import_nothing_from_tests() -> None:
+    """The experiments' harness (experiments/harness/) owns the rank launcher and the small
+    tasks; tests may import it, not the reverse."""
+    assert _experiments_importing("tests") == []
+
+
+def test_no_experiment_imports_the_demo_script() -> None:
+    """The demo is a script (its rows and its table); its task and its training run are the
+    harness's (experiments.harness.bytelm), which the other studies of the byte LM import."""
+    assert _experiments_importing("experiments.demo") == []
