@@ -10,6 +10,8 @@ import math
 
 import torch
 
+from experiments.harness.training import Setup, train_on_task
+
 __all__ = [
     "ADAM_BETAS",
     "ADAM_LR",
@@ -70,17 +72,44 @@ def make_mlp() -> torch.nn.Module:
     )
 
 
+class _FullData:
+    """The whole data set as every step's batch, for a loss that draws its own minibatches
+    (:func:`minibatch_loss`); evaluation is the full-data MSE on this rank."""
+
+    def __init__(self, data: tuple[torch.Tensor, torch.Tensor], loss_fn) -> None:
+        self.data, self.loss_fn = data, loss_fn
+
+    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        del step
+        return self.data
+
+    def loss(self, model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]):
+        return self.loss_fn(model, *batch)
+
+    @torch.no_grad()
+    def evaluate(self, model: torch.nn.Module) -> tuple[float, float]:
+        x, y = self.data
+        mse = ((model(x) - y) ** 2).mean().item()
+        return mse, mse
+
+
 def fit(make_opt, model, data, steps: int, lr: float, loss_fn) -> float:
-    """Train ``steps`` steps with a cosine lr on ``loss_fn(model, x, y)``; full-data MSE."""
-    x, y = data
+    """Train ``steps`` steps with a cosine lr on ``loss_fn(model, x, y)`` (the harness's loop,
+    :func:`~experiments.harness.training.train_on_task`); full-data MSE."""
     opt = make_opt(model.parameters())
-    for k in range(steps):
-        opt.param_groups[0]["lr"] = lr * 0.5 * (1 + math.cos(math.pi * k / steps))
-        opt.zero_grad()
-        loss_fn(model, x, y).backward()
-        opt.step()
-    with torch.no_grad():
-        return ((model(x) - y) ** 2).mean().item()
+
+    def cosine(step: int) -> None:  # (steps counted from 1; the cosine from 0)
+        opt.param_groups[0]["lr"] = lr * 0.5 * (1 + math.cos(math.pi * (step - 1) / steps))
+
+    final: list[float] = []
+
+    def record(step: int, evaluation: tuple[float, float] | None, seconds: float) -> None:
+        if evaluation is not None:
+            final.append(evaluation[0])
+
+    setup = Setup("fit", model, opt, None, None, False)
+    train_on_task(_FullData(data, loss_fn), setup, steps, steps, record, schedule=cosine)
+    return final[-1]
 
 
 def fit_linear(make_opt, loss_fn) -> float:

@@ -445,14 +445,18 @@ def train_on_task(
     eval_every: int,
     record: Record,
     evaluate_first: bool = False,
+    schedule: Callable[[int], None] | None = None,
 ) -> list[float]:
     """Train ``setup`` on the task's batches 1 … ``steps`` (every rank the same order; the task
     shards them), evaluating every ``eval_every`` steps and at the last; returns this rank's
-    training loss per step."""
+    training loss per step. ``schedule(step)`` runs before each step's batch (an lr
+    schedule)."""
     train_time, losses = 0.0, []
     if evaluate_first:
         record(0, task.evaluate(setup.model), train_time)
     for step in range(1, steps + 1):
+        if schedule is not None:
+            schedule(step)
         batch = task.batch(step)
         t0 = time.perf_counter()
         loss = task.loss(setup.model, batch)
