@@ -250,3 +250,50 @@ def test_an_unloadable_extra_on_one_rank_is_refused_on_every_rank(tmp_path):
     assert "extra['loss'] is a numpy.float32" in results[1]["message"]
     assert all("was left as it was" in r["message"] for r in results)
     assert [r["extra"] for r in results] == [{"step": 2}, {"step": 2}]
+
+
+def _train_sitting_out(model, opt, rank: int, steps: range) -> None:
+    """``_train``, with layer b's bias sitting out every third step on every rank."""
+    for t in steps:
+        model.b.bias.requires_grad_(t % 3 != 2)
+        _train(model, opt, rank, range(t, t + 1))
+    model.b.bias.requires_grad_(True)
+
+
+def _resume_sitting_out(backend, path: str, name: str, stop: int, total: int):
+    factory = BY_NAME[name].make
+    model = _net(0)
+    opt = factory(model.parameters())
+    _train_sitting_out(model, opt, backend.rank, range(stop))
+    counted = dict(opt.state[model.b.bias])
+    commopt.save_checkpoint(path, model, opt)
+    _train_sitting_out(model, opt, backend.rank, range(stop, total))
+    fresh = _net(seed=7)
+    opt2 = factory(fresh.parameters())
+    commopt.load_checkpoint(path, fresh, opt2)
+    loaded = dict(opt2.state[fresh.b.bias])
+    _train_sitting_out(fresh, opt2, backend.rank, range(stop, total))
+    idle = {k: v for k, v in counted.items() if "idle" in k}
+    return (
+        idle,
+        {k: loaded.get(k) for k in idle},
+        torch.equal(_flat_params(model), _flat_params(fresh)),
+    )
+
+
+@pytest.mark.parametrize("info", OPTIMIZERS, ids=repr)
+def test_the_steps_a_parameter_sat_out_are_saved_and_resumed(tmp_path, info):
+    # Each parameter's count of the steps it sat out (state[p]["idle_steps"], a plain int in
+    # its state) goes through save_checkpoint / load_checkpoint like the tensors: bit-exact.
+    stop = info.steps // 2 + 1
+    results = run_ranks(
+        _resume_sitting_out, 2, str(tmp_path / "ck"), info.name, stop, info.steps, timeout=TIMEOUT
+    )
+    for idle, loaded, exact in results:
+        assert exact
+        assert loaded == idle
+        if (
+            "bias_correction"
+            in BY_NAME[info.name].make([torch.nn.Parameter(torch.ones(1))]).defaults
+        ):
+            assert idle.get("idle_steps", 0) > 0
