@@ -305,7 +305,8 @@ class FlatState:
                 members.append(p)
                 current = count
                 offset += local(p).numel()
-            runs.append((Segment(seg.group, start, offset, tuple(members)), current))
+            if members:
+                runs.append((Segment(seg.group, start, offset, tuple(members)), current))
         return [(seg, groups[seg.group], count) for seg, count in runs]
 
     # -- this rank's exchange state -----------------------------------------------------------
