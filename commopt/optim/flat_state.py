@@ -275,6 +275,8 @@ class FlatState:
         """``state[p][key]`` += 1 (from 0) for each of ``keys``, for this bucket's parameters
         whose ``id`` is in ``idle``: they sat out a step the others took (no gradient on any
         rank), and torch counts each parameter's own steps (``state[p]["step"]``)."""
+        if not idle:  # (nearly every step: no loop over the bucket's parameters)
+            return
         keys = tuple(keys)
         for p in self._owners:
             if id(p) in idle:
