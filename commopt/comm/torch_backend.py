@@ -66,7 +66,14 @@ class TorchBackend:
         # it this backend's watchdog timeout (commopt.faults.watch), when it has one.
         seconds = getattr(self, "watchdog_timeout", None)
         timeout = None if seconds is None else datetime.timedelta(seconds=seconds)
-        self._channels[name] = dist.new_group(timeout=timeout)
+        group = dist.new_group(timeout=timeout)
+        if self.engine == "gloo":
+            # gloo connects a new group's pairs and returns without a barrier: a rank that has
+            # returned and drops the group at once (an optimizer built and discarded) closes
+            # sockets a slower peer is still handshaking on, and that peer fails. NCCL connects
+            # lazily, at the first collective.
+            dist.barrier(group=group)
+        self._channels[name] = group
         return True
 
     def close_channel(self, name: str) -> None:
