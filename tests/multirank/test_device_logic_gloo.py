@@ -1,8 +1,10 @@
 """The GPU users' matrix in CI, without a GPU: every optimizer × {standalone, overlap=True, DDP
 hook at two bucket sizes} on 4 forked gloo ranks (tests/device_matrix.py), with
 
-- the per-element work in the CUDA kernels, executed on CPU threads (``CupyKernels`` on the
-  tests/cuda_on_cpu runtime: the exact cuda/ text and launch wrappers), and
+- the per-element work in the CUDA kernels, executed on the CPU (``CupyKernels`` on the
+  tests/cuda_on_cpu runtime: the exact cuda/ text and launch wrappers; the fiber scheduler, the
+  same barriers and checks for ~18x less CPU time than an OS thread per CUDA thread, which
+  tests/unit/test_cuda_on_cpu.py runs, with jitter, on the kernels alone), and
 - scratch poisoned (``COMMOPT_POISON_SCRATCH=1``): work buffers are dropped after every step and
   created full of NaN, as a GPU drops them and hands back stale memory. Whatever the optimizer
   reads from a buffer it did not write in the same step turns into NaN here.
@@ -40,7 +42,7 @@ TIMEOUT = 280.0
 
 
 def _body(backend, name: str, modes: tuple[str, ...] | None = None):
-    with use_kernels(CupyKernels(runtime=CpuRuntime())):
+    with use_kernels(CupyKernels(runtime=CpuRuntime(fibers=True))):
         if modes is None:
             return run_matrix(backend, "cpu", [name])
         return run_matrix(backend, "cpu", [name], modes)
