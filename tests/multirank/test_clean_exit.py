@@ -17,7 +17,9 @@ import textwrap
 
 import pytest
 
-RUNS = 20
+# A defect that killed about half of the runs escapes 10 runs once in a thousand; each run costs
+# ~2.2 s, most of it the interpreter tearing torch down, as in any script that imports it.
+RUNS = 10
 
 # The README "Use" snippet, with a tiny model and loader.
 README_SCRIPT = textwrap.dedent(
@@ -111,10 +113,10 @@ def test_script_without_shutdown_exits_zero_too(tmp_path):
         "commopt.shutdown()",
         "import threading\nassert any(t.name == 'commopt-watchdog' for t in threading.enumerate())",
     )
-    proc = _run(tmp_path, script, 10)
+    proc = _run(tmp_path, script, 6)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
-    assert proc.stdout.count("exit codes [0, 0]") == 10
+    assert proc.stdout.count("exit codes [0, 0]") == 6
 
 
 @pytest.mark.timeout(900)
@@ -130,7 +132,7 @@ def test_overlap_script_exits_zero_with_exchanges_in_flight(tmp_path):
         "assert opt.early_work.thread._thread.is_alive()",
     )
     assert "overlap=True" in script
-    _assert_every_run_exits_zero(_run(tmp_path, script, 10), 10)
+    _assert_every_run_exits_zero(_run(tmp_path, script, 6), 6)
 
 
 def _assert_every_run_exits_zero(proc: subprocess.CompletedProcess[str], runs: int) -> None:
@@ -154,7 +156,7 @@ def test_teardown_in_either_order_exits_zero(tmp_path, ending):
     # The usual dist.destroy_process_group() after commopt.shutdown() raised "Process group
     # cannot be None" (exit code 1): shutdown() destroyed init()'s group itself.
     script = README_SCRIPT.replace("commopt.shutdown()", ending)
-    _assert_every_run_exits_zero(_run(tmp_path, script, 4), 4)
+    _assert_every_run_exits_zero(_run(tmp_path, script, 3), 3)
 
 
 @pytest.mark.timeout(900)
