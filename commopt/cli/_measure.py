@@ -28,6 +28,7 @@ __all__ = [
     "Case",
     "busbw",
     "make_case",
+    "no_backend",
     "parse_bytes",
     "progress",
     "size_range",
@@ -72,6 +73,17 @@ def size_range(min_bytes: int, max_bytes: int, factor: int = 2) -> list[int]:
         s *= factor
     sizes.append(max_bytes)
     return sizes
+
+
+def no_backend(tool: str) -> int:
+    """Tell the user that ``commopt {tool}`` found no multi-rank backend to measure; returns
+    the exit status, 2."""
+    print(
+        f"commopt {tool}: no multi-rank backend in this process; launch it with mpirun/mpiexec "
+        "or torchrun on 2 or more ranks",
+        file=sys.stderr,
+    )
+    return 2
 
 
 def start_backends(wanted: Sequence[str] | None = None) -> dict[str, Backend]:

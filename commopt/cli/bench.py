@@ -97,12 +97,7 @@ def run(args: argparse.Namespace) -> int:
             return 2
     backends = _backends(args)
     if not backends:
-        print(
-            "commopt bench: no multi-rank backend in this process; launch it with mpirun/mpiexec "
-            "or torchrun on 2 or more ranks",
-            file=sys.stderr,
-        )
-        return 2
+        return m.no_backend("bench")
     first = next(iter(backends.values()))
     if args.workload:
         return run_workload(args, backends)

@@ -137,12 +137,7 @@ def run(args: argparse.Namespace) -> int:
     """Measure the backends per operation and size and write the mixed backend's table."""
     backends = m.start_backends(args.backends)
     if not backends:
-        print(
-            "commopt tune: no multi-rank backend in this process; launch it with mpirun/mpiexec "
-            "or torchrun on 2 or more ranks",
-            file=sys.stderr,
-        )
-        return 2
+        return m.no_backend("tune")
     first = next(iter(backends.values()))
     rank, n = first.rank, first.world_size
     if args.reps < 1 or args.warmup < 0:

@@ -85,3 +85,12 @@ def test_mpi_env_prints_the_settings_the_checkout_script_sets(capsys, monkeypatc
         timeout=60,
     )
     assert shown.stdout.strip() == ":oversubscribe", shown.stderr
+
+
+@pytest.mark.parametrize("command", ["tune", "bench"])
+def test_without_a_launcher_the_tools_say_so_and_exit_2(capsys, monkeypatch, command):
+    for name in ("RANK", "WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    assert main([command]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"commopt {command}: no multi-rank backend in this process; launch it with" in err
