@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from commopt.cli.main import main
+from tests.unit.test_launch import LAUNCH_VARS
 
 
 def test_help_says_tune_and_bench_need_a_launcher(capsys):
@@ -89,7 +90,7 @@ def test_mpi_env_prints_the_settings_the_checkout_script_sets(capsys, monkeypatc
 
 @pytest.mark.parametrize("command", ["tune", "bench"])
 def test_without_a_launcher_the_tools_say_so_and_exit_2(capsys, monkeypatch, command):
-    for name in ("RANK", "WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"):
+    for name in LAUNCH_VARS:
         monkeypatch.delenv(name, raising=False)
     assert main([command]) == 2
     err = " ".join(capsys.readouterr().err.split())
