@@ -14,7 +14,9 @@ ruff check commopt tests experiments examples
 ruff format --check commopt tests experiments examples
 # The documentation site with its API reference from the docstrings; any warning fails.
 mkdocs build --strict --quiet
-python -m pytest -q -p no:cacheprovider --durations=25
+# Two pytest workers (pytest-xdist), each test file on one worker: a third of the run is
+# single-threaded (subprocess imports, rank start-up, waits), which the other worker fills.
+python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --durations=25
 # Every MPI test runs inside this one 4-rank job; a hung job is killed, never waited on.
 timeout 600 mpiexec -n 4 python -u -m pytest -q -p no:cacheprovider --color=no tests/multirank/mpi
 # The release: sdist and wheel built and checked, the wheel installed in a fresh venv, the
