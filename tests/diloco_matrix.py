@@ -1,13 +1,13 @@
 """DiLoCo's modes on several ranks, on any device: what a user of the outer loop relies on.
 
 Every mode of :data:`MODES` (each compression; streaming fragments with a delayed sync on the
-communication thread; warmup with a Nesterov outer step) trains the same small MLP from a
-different initialisation on every rank (the constructor must broadcast rank 0's), on per-rank
-batches. :func:`run_diloco` returns, per mode, the digest of every fragment right after each of
-its syncs is applied, the final digest after ``finish()``, and the final digest of a run that
-was stopped mid-interval (with a delayed sync in flight where the mode has one), saved with
-``state_dict()``, rebuilt from scratch, loaded and finished. :func:`check_diloco` asserts over
-every rank's results:
+communication thread; warmup with a Nesterov outer step; the first syncs in fp32) trains the
+same small MLP from a different initialisation on every rank (the constructor must broadcast
+rank 0's), on per-rank batches. :func:`run_diloco` returns, per mode, the digest of every
+fragment right after each of its syncs is applied, the final digest after ``finish()``, and the
+final digest of a run that was stopped mid-interval (with a delayed sync in flight where the
+mode has one), saved with ``state_dict()``, rebuilt from scratch, loaded and finished.
+:func:`check_diloco` asserts over every rank's results:
 
 1. the parameters stay finite;
 2. right after every sync, the synced fragment is bit-identical on every rank;
@@ -44,6 +44,9 @@ MODES: dict[str, dict[str, Any]] = {
     "onebit-warmup-nesterov": dict(
         compression="onebit", warmup_steps=4, outer_lr=0.7, outer_momentum=0.9
     ),
+    # fragment 0 syncs at 3, 9 (fp32, in flight at RESUME_AT) and 15 (1 bit); fragment 1 at
+    # 6, 12 (fp32) and 18
+    "onebit-fp32-first-streaming": dict(compression="onebit", fragments=2, delay=1, fp32_syncs=2),
 }
 
 

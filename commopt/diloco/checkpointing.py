@@ -49,6 +49,8 @@ class Parts:
 
 
 _ANCHOR, _MOMENTUM = "diloco_anchor", "diloco_outer_momentum"
+#: settings added after the first release, at the value a state dict saved without them had
+_ADDED_SETTINGS = {"fp32_syncs": 0}
 
 
 def _layout(own: Parts) -> str:
@@ -106,7 +108,7 @@ def _check(own: Parts, sd: dict[str, Any]) -> bool:
             "'diloco'); to load the inner optimizer's own state, call opt.inner.load_state_dict"
         )
     mine = own.settings
-    saved = comm.get("settings", {})
+    saved = {**_ADDED_SETTINGS, **comm.get("settings", {})}
     differ = [k for k in mine if saved.get(k) != mine[k]]
     if differ:
         raise ValueError(

@@ -26,9 +26,10 @@ Variants (labels as they appear in every table):
 - ``LAMB``: ``commopt.OnebitLamb`` with ``freeze_step`` larger than the run, i.e. only its
   full-precision warmup stage, which is LAMB (Adam moments, per-tensor trust ratio
   ‖p‖/‖u‖ clipped to [min_coeff, max_coeff], fp32 gradient average every step).
-- ``DiLoCo-C-HK[-PF][-dD][-wW][-oR][-nesterov|-plain][-tensor]``: ``commopt.DiLoCo`` around
-  ``torch.optim.Adam`` (the ``Adam`` row's settings, its gradients local), compression C
-  (``none``, ``bf16``, ``onebit``), ``sync_every`` K, F fragments, delay D, W warmup steps;
+- ``DiLoCo-C-HK[-PF][-dD][-wW][-fS][-oR][-nesterov|-plain][-tensor]``: ``commopt.DiLoCo``
+  around ``torch.optim.Adam`` (the ``Adam`` row's settings, its gradients local), compression
+  C (``none``, ``bf16``, ``onebit``), ``sync_every`` K, F fragments, delay D, W warmup steps,
+  the first S syncs in fp32 (``fp32_syncs``);
   outer step the compression's default, or the paper's Nesterov (lr 0.7, momentum 0.9), or
   plain averaging (lr 1, no momentum); R overrides the outer lr; ``-tensor``: one 1-bit scale
   per tensor (``scale="tensor"``, commopt's default), without it one per fragment.
@@ -104,7 +105,7 @@ ALL_VARIANTS = (
 
 _DILOCO = re.compile(
     r"DiLoCo-(?P<c>none|bf16|onebit)-H(?P<h>\d+)(?:-P(?P<p>\d+))?(?:-d(?P<d>\d+))?"
-    r"(?:-w(?P<w>\d+))?(?:-o(?P<olr>[\d.]+))?(?:-(?P<outer>nesterov|plain))?(?P<t>-tensor)?"
+    r"(?:-w(?P<w>\d+))?(?:-f(?P<f>\d+))?(?:-o(?P<olr>[\d.]+))?(?:-(?P<outer>nesterov|plain))?(?P<t>-tensor)?"
 )
 
 
@@ -130,6 +131,7 @@ def _diloco(label: str, model: nn.Module, hp: Hyper, backend: TorchBackend) -> A
         fragments=int(m["p"] or 1),
         delay=int(m["d"] or 0),
         warmup_steps=int(m["w"] or 0),
+        fp32_syncs=int(m["f"] or 0),
         scale="tensor" if m["t"] else "fragment",
         outer_lr=outer[0],
         outer_momentum=outer[1],

@@ -41,10 +41,11 @@ def _flat(model: torch.nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
-def _by_hand(backend, compression: str, outer: tuple[float, float], steps: int, scale: str):
+def _by_hand(backend, compression, outer, steps: int, scale: str, fp32_syncs: int):
     """DiLoCo written out: Adam inner steps, Δ = anchor − θ every H steps, averaged by
-    ``compressed_allreduce`` (errors kept; one call per tensor with ``scale="tensor"``) or an
-    fp32 all-reduce, torch.optim.SGD on the anchor."""
+    ``compressed_allreduce`` (errors kept; one call per tensor with ``scale="tensor"``) or, for
+    ``"none"`` and the first ``fp32_syncs`` syncs, an fp32 all-reduce; torch.optim.SGD on the
+    anchor."""
     model = _model()
     inner = torch.optim.Adam(model.parameters(), lr=1e-2)
     anchor = torch.nn.Parameter(_flat(model).clone())
@@ -61,7 +62,7 @@ def _by_hand(backend, compression: str, outer: tuple[float, float], steps: int, 
         inner.zero_grad()
         if step % H == 0:
             delta = anchor.detach() - _flat(model)
-            if compression == "onebit":
+            if compression == "onebit" and step // H > fp32_syncs:
                 parts = delta.split(sizes)
                 delta = torch.cat(
                     [
@@ -78,7 +79,7 @@ def _by_hand(backend, compression: str, outer: tuple[float, float], steps: int, 
     return _flat(model)
 
 
-def _with_diloco(backend, compression: str, outer: tuple[float, float], steps: int, scale: str):
+def _with_diloco(backend, compression, outer, steps: int, scale: str, fp32_syncs: int):
     model = _model()
     inner = torch.optim.Adam(model.parameters(), lr=1e-2)
     lr, momentum = outer
@@ -89,32 +90,40 @@ def _with_diloco(backend, compression: str, outer: tuple[float, float], steps: i
         outer_lr=lr,
         outer_momentum=momentum,
         scale=scale,
+        fp32_syncs=fp32_syncs,
     )
     for step in range(1, steps + 1):
         _loss(model, backend.rank, step).backward()
         opt.step()
         opt.zero_grad()
-    return _flat(model)
+    return _flat(model), opt.comm_stats()
 
 
-def _both(backend, compression, outer, scale):
-    args = (backend, compression, outer, 3 * H, scale)
-    return _by_hand(*args), _with_diloco(*args)
+def _both(backend, compression, outer, scale, fp32_syncs):
+    args = (backend, compression, outer, 3 * H, scale, fp32_syncs)
+    return _by_hand(*args), *_with_diloco(*args)
 
 
 @pytest.mark.parametrize(
-    ("compression", "outer", "scale"),
+    ("compression", "outer", "scale", "fp32_syncs"),
     [
-        ("onebit", (1.0, 0.0), "tensor"),
-        ("onebit", (1.0, 0.0), "fragment"),
-        ("onebit", (0.7, 0.9), "tensor"),
-        ("none", (0.7, 0.9), "tensor"),
-        ("none", (1.0, 0.0), "fragment"),
+        ("onebit", (1.0, 0.0), "tensor", 0),
+        ("onebit", (1.0, 0.0), "fragment", 0),
+        ("onebit", (0.7, 0.9), "tensor", 0),
+        ("onebit", (1.3, 0.0), "tensor", 2),  # 2 syncs in fp32, then 1 bit
+        ("none", (0.7, 0.9), "tensor", 0),
+        ("none", (1.0, 0.0), "fragment", 0),
     ],
 )
-def test_equals_the_outer_loop_written_by_hand(compression, outer, scale) -> None:
-    for by_hand, ours in run_ranks(_both, 3, compression, outer, scale, timeout=TIMEOUT):
+def test_equals_the_outer_loop_written_by_hand(compression, outer, scale, fp32_syncs) -> None:
+    results = run_ranks(_both, 3, compression, outer, scale, fp32_syncs, timeout=TIMEOUT)
+    for by_hand, ours, stats in results:
         assert torch.equal(by_hand, ours)
+        assert stats["syncs"] == 3
+        fp32 = 2 * 2 / 3 * 4 * stats["parameters"]  # one fp32 all-reduce (ring model)
+        onebit = stats["sync_bytes"] - fp32_syncs * fp32
+        if compression == "onebit":  # the fp32 syncs counted at fp32, the rest at a fraction
+            assert 0 < onebit < (3 - fp32_syncs) * fp32 / 4, stats  # (small tensors: padding)
 
 
 def _islands(backend):

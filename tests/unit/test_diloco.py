@@ -46,6 +46,8 @@ def _train(model, opt, steps) -> None:
         (dict(fragments=2, delay=2), "sync_every // fragments = 2"),
         (dict(delay=-1), "Invalid delay: -1"),
         (dict(warmup_steps=-3), "Invalid warmup_steps: -3"),
+        (dict(fp32_syncs=-1), "Invalid fp32_syncs: -1"),
+        (dict(fp32_syncs=2.0), "Invalid fp32_syncs: 2.0"),
         (dict(outer_lr=0.0), "Invalid outer_lr: 0.0"),
         (dict(outer_momentum=1.0), "Invalid outer_momentum: 1.0"),
         (dict(topology="ring"), "Invalid topology: 'ring'"),
@@ -126,6 +128,19 @@ def test_a_state_dict_with_other_settings_is_refused_and_changes_nothing() -> No
         other.load_state_dict(other.inner.state_dict())
     assert all(torch.equal(a, b) for a, b in zip(before, _digest(other_model, other), strict=True))
     assert other.progress.step == 3
+
+
+def test_a_state_dict_from_before_fp32_syncs_loads_as_zero_fp32_syncs() -> None:
+    model, opt = _make()
+    _train(model, opt, range(1, 6))
+    saved = opt.state_dict()
+    del saved["commopt"]["settings"]["fp32_syncs"]  # what a state dict saved before it holds
+    _, same = _make()
+    same.load_state_dict(saved)
+    assert same.progress.step == 5
+    _, other = _make(fp32_syncs=1)
+    with pytest.raises(ValueError, match="fp32_syncs saved 0, here 1"):
+        other.load_state_dict(saved)
 
 
 def test_resume_mid_interval_is_bit_exact_with_momentum_and_warmup() -> None:
