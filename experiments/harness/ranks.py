@@ -41,6 +41,11 @@ def _worker(rank: int, n: int, path: str, fn: Callable, args: tuple, queue: Any)
         from commopt.comm import TorchBackend, set_default_backend
 
         dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=n)
+        # A rank whose fn returns or raises at once (an argument check) would otherwise exit and
+        # close its sockets while a slower rank is still inside gloo's connectFullMesh, which then
+        # fails with "Connection closed by peer" (seen once in CI under two pytest workers).
+        # Leaving the barrier means every rank has finished connecting.
+        dist.barrier()
         backend = TorchBackend()
         set_default_backend(backend)
         result = fn(backend, *args)
