@@ -4,13 +4,16 @@ The defect: with torch 2.13 about half of such runs died at exit with SIGABRT ("
 without an active exception") while commopt's watchdog thread was still running. Each run here
 is two real rank processes that end the way any script ends: the interpreter finalizes
 (``atexit`` hooks, thread shutdown, module teardown) and the C runtime exits. To keep it cheap,
-a launcher imports torch and commopt once and forks the two ranks of each run, which then run the
-script with torchrun's environment variables and exit normally (a ``SystemExit`` raised to the
-top of the launcher, not ``os._exit``), so the same teardown runs as under torchrun.
+one launcher imports torch and commopt once and forks the two ranks of each run of every script
+below, which then run the script with torchrun's environment variables and exit normally (a
+``SystemExit`` raised to the top of the launcher, not ``os._exit``), so the same teardown runs as
+under torchrun.
 """
 
 from __future__ import annotations
 
+import json
+import pathlib
 import subprocess
 import sys
 import textwrap
@@ -45,7 +48,7 @@ README_SCRIPT = textwrap.dedent(
 
 LAUNCHER = textwrap.dedent(
     """
-    import os, runpy, socket, sys
+    import json, os, runpy, socket, sys
     import time
     import torch, commopt  # imported once; every forked rank inherits them
     from commopt.kernels.numba_kernels import NumbaKernels
@@ -57,70 +60,95 @@ LAUNCHER = textwrap.dedent(
     w.grad = torch.ones(4)
     commopt.OnebitAdam([w], freeze_step=1, backend=commopt.SingleProcessBackend()).step()
 
-    script, runs = sys.argv[1], int(sys.argv[2])
-    failures = 0
-    for run in range(runs):
-        t0 = time.monotonic()
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        pids = []
-        for rank in range(2):
-            pid = os.fork()
-            if pid == 0:
-                os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
-                                  MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-                sys.argv = [script]
-                runpy.run_path(script, run_name="__main__")
-                raise SystemExit(0)  # ends this rank like the end of a script: full teardown
-            pids.append(pid)
-        codes = [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in pids]
-        failures += any(codes)
-        print(f"run {run}: exit codes {codes} ({time.monotonic() - t0:.1f} s)", flush=True)
-    print(f"{failures} of {runs} runs failed", flush=True)
-    sys.exit(1 if failures else 0)
+    # [[name, script path, runs], ...]; each script's rank output goes to <name>.log
+    for name, script, runs in json.loads(sys.argv[1]):
+        failures = 0
+        for run in range(runs):
+            t0 = time.monotonic()
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            pids = []
+            for rank in range(2):
+                pid = os.fork()
+                if pid == 0:
+                    log = os.open(f"{name}.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+                    os.dup2(log, 1)
+                    os.dup2(log, 2)
+                    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
+                                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+                    sys.argv = [script]
+                    runpy.run_path(script, run_name="__main__")
+                    raise SystemExit(0)  # ends this rank like the end of a script: full teardown
+                pids.append(pid)
+            codes = [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in pids]
+            failures += any(codes)
+            print(f"{name} run {run}: exit codes {codes} ({time.monotonic() - t0:.1f} s)",
+                  flush=True)
+        print(f"{name}: {failures} of {runs} runs failed", flush=True)
     """
 )
 
+# Every script of this file, with its runs, in one launcher (one import of torch and commopt).
+SCRIPTS: dict[str, tuple[str, int]] = {}
 
-def _run(tmp_path, script: str, runs: int) -> subprocess.CompletedProcess[str]:
-    (tmp_path / "train.py").write_text(script)
-    (tmp_path / "launch.py").write_text(LAUNCHER)
-    env_cmd = ["timeout", "840", sys.executable, str(tmp_path / "launch.py")]
-    return subprocess.run(
-        [*env_cmd, str(tmp_path / "train.py"), str(runs)],
+
+def _script(name: str, runs: int):
+    """Register the script that the decorated function returns under ``name``."""
+
+    def register(make):
+        SCRIPTS[name] = (make(), runs)
+        return make
+
+    return register
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory) -> tuple[pathlib.Path, str]:
+    """Run every registered script in one launcher; (the folder with each ``<name>.log``,
+    the launcher's stdout and stderr)."""
+    tmp = tmp_path_factory.mktemp("clean_exit")
+    plan = []
+    for name, (script, runs) in SCRIPTS.items():
+        (tmp / f"{name}.py").write_text(script)
+        plan.append([name, str(tmp / f"{name}.py"), runs])
+    (tmp / "launch.py").write_text(LAUNCHER)
+    proc = subprocess.run(
+        ["timeout", "840", sys.executable, str(tmp / "launch.py"), json.dumps(plan)],
         capture_output=True,
         text=True,
-        cwd=str(tmp_path),
+        cwd=str(tmp),
         timeout=900,
     )
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    return tmp, proc.stdout
 
 
-@pytest.mark.timeout(900)
-def test_readme_script_exits_zero_every_time(tmp_path):
-    proc = _run(tmp_path, README_SCRIPT, RUNS)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-4000:]
-    assert f"0 of {RUNS} runs failed" in proc.stdout
-    assert proc.stdout.count("exit codes [0, 0]") == RUNS
-    assert "terminate called" not in out
+def _assert_every_run_exits_zero(launched: tuple[pathlib.Path, str], name: str) -> None:
+    tmp, stdout = launched
+    runs = SCRIPTS[name][1]
+    log = (tmp / f"{name}.log").read_text() if (tmp / f"{name}.log").exists() else ""
+    assert f"{name}: 0 of {runs} runs failed" in stdout, (stdout + log)[-4000:]
+    assert stdout.count(f"{name} run ") == runs
+    assert "terminate called" not in log, log[-4000:]
 
 
-@pytest.mark.timeout(900)
-def test_script_without_shutdown_exits_zero_too(tmp_path):
+@_script("readme", RUNS)
+def _readme() -> str:
+    return README_SCRIPT
+
+
+@_script("no_shutdown", 6)
+def _no_shutdown() -> str:
     # Forgetting commopt.shutdown() must not crash either: an atexit hook stops the watchdogs.
-    script = README_SCRIPT.replace(
+    return README_SCRIPT.replace(
         "commopt.shutdown()",
         "import threading\nassert any(t.name == 'commopt-watchdog' for t in threading.enumerate())",
     )
-    proc = _run(tmp_path, script, 6)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-4000:]
-    assert proc.stdout.count("exit codes [0, 0]") == 6
 
 
-@pytest.mark.timeout(900)
-def test_overlap_script_exits_zero_with_exchanges_in_flight(tmp_path):
+@_script("overlap_in_flight", 6)
+def _overlap_in_flight() -> str:
     # overlap=True: the communication thread may still be exchanging the last backward's
     # buckets when the script ends (no step() after it, no shutdown()); the optimizer's
     # finalizer joins the thread at exit, before the process group is torn down.
@@ -132,41 +160,50 @@ def test_overlap_script_exits_zero_with_exchanges_in_flight(tmp_path):
         "assert opt.early_work.thread._thread.is_alive()",
     )
     assert "overlap=True" in script
-    _assert_every_run_exits_zero(_run(tmp_path, script, 6), 6)
+    return script
 
 
-def _assert_every_run_exits_zero(proc: subprocess.CompletedProcess[str], runs: int) -> None:
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-4000:]
-    assert proc.stdout.count("exit codes [0, 0]") == runs
-    assert "terminate called" not in out
+# The usual dist.destroy_process_group() after commopt.shutdown() raised "Process group
+# cannot be None" (exit code 1): shutdown() destroyed init()'s group itself.
+ENDINGS = {
+    "shutdown-then-destroy": "commopt.shutdown()\ntorch.distributed.destroy_process_group()",
+    "destroy-then-shutdown": "torch.distributed.destroy_process_group()\ncommopt.shutdown()",
+    "destroy-only": "torch.distributed.destroy_process_group()",
+}
+for _ending_id, _ending in ENDINGS.items():
+    SCRIPTS[_ending_id] = (README_SCRIPT.replace("commopt.shutdown()", _ending), 3)
 
 
-@pytest.mark.timeout(900)
-@pytest.mark.parametrize(
-    "ending",
-    [
-        "commopt.shutdown()\ntorch.distributed.destroy_process_group()",
-        "torch.distributed.destroy_process_group()\ncommopt.shutdown()",
-        "torch.distributed.destroy_process_group()",
-    ],
-    ids=["shutdown-then-destroy", "destroy-then-shutdown", "destroy-only"],
-)
-def test_teardown_in_either_order_exits_zero(tmp_path, ending):
-    # The usual dist.destroy_process_group() after commopt.shutdown() raised "Process group
-    # cannot be None" (exit code 1): shutdown() destroyed init()'s group itself.
-    script = README_SCRIPT.replace("commopt.shutdown()", ending)
-    _assert_every_run_exits_zero(_run(tmp_path, script, 3), 3)
-
-
-@pytest.mark.timeout(900)
-def test_init_on_the_users_own_group_does_not_warn(tmp_path):
-    script = README_SCRIPT.replace(
+@_script("own_group", 2)
+def _own_group() -> str:
+    return README_SCRIPT.replace(
         "commopt.init()",
         "import warnings\nwarnings.filterwarnings('error', message='.*already initialized')\n"
         "torch.distributed.init_process_group('gloo')\ncommopt.init()",
     ).replace("commopt.shutdown()", "commopt.shutdown()\ntorch.distributed.destroy_process_group()")
-    proc = _run(tmp_path, script, 2)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-4000:]
-    assert proc.stdout.count("exit codes [0, 0]") == 2
+
+
+@pytest.mark.timeout(900)
+def test_readme_script_exits_zero_every_time(launched):
+    _assert_every_run_exits_zero(launched, "readme")
+
+
+@pytest.mark.timeout(900)
+def test_script_without_shutdown_exits_zero_too(launched):
+    _assert_every_run_exits_zero(launched, "no_shutdown")
+
+
+@pytest.mark.timeout(900)
+def test_overlap_script_exits_zero_with_exchanges_in_flight(launched):
+    _assert_every_run_exits_zero(launched, "overlap_in_flight")
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("ending", list(ENDINGS))
+def test_teardown_in_either_order_exits_zero(launched, ending):
+    _assert_every_run_exits_zero(launched, ending)
+
+
+@pytest.mark.timeout(900)
+def test_init_on_the_users_own_group_does_not_warn(launched):
+    _assert_every_run_exits_zero(launched, "own_group")
