@@ -2,11 +2,10 @@
 # The test suite: lint, unit and gloo multi-rank tests, then the MPI tests in one mpiexec job.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup_env.sh
-. .venv/bin/activate
 # The framework examples' tests need transformers, accelerate and Lightning, the API reference
 # mkdocs, the CUDA compile test NVRTC and ptxas (~130 MB of wheels); the demo needs none of them.
-python -m pip install -q -c constraints.txt -e ".[hf,lightning,docs,nvrtc]"
+bash scripts/setup_env.sh hf,lightning,docs,nvrtc
+. .venv/bin/activate
 . scripts/mpi_env.sh
 # g++ compiles cuda/*.cu for the CPU (tests/cuda_on_cpu): the CUDA kernels execute in CI.
 command -v g++ >/dev/null || { apt-get update -qq && apt-get install -y -qq g++; }
