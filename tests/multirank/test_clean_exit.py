@@ -89,24 +89,11 @@ LAUNCHER = textwrap.dedent(
     """
 )
 
-# Every script of this file, with its runs, in one launcher (one import of torch and commopt).
-SCRIPTS: dict[str, tuple[str, int]] = {}
-
-
-def _script(name: str, runs: int):
-    """Register the script that the decorated function returns under ``name``."""
-
-    def register(make):
-        SCRIPTS[name] = (make(), runs)
-        return make
-
-    return register
-
 
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory) -> tuple[pathlib.Path, str]:
-    """Run every registered script in one launcher; (the folder with each ``<name>.log``,
-    the launcher's stdout and stderr)."""
+    """Run every script of :data:`SCRIPTS` in one launcher; (the folder with each
+    ``<name>.log``, the launcher's stdout)."""
     tmp = tmp_path_factory.mktemp("clean_exit")
     plan = []
     for name, (script, runs) in SCRIPTS.items():
@@ -133,35 +120,22 @@ def _assert_every_run_exits_zero(launched: tuple[pathlib.Path, str], name: str) 
     assert "terminate called" not in log, log[-4000:]
 
 
-@_script("readme", RUNS)
-def _readme() -> str:
-    return README_SCRIPT
+# Forgetting commopt.shutdown() must not crash either: an atexit hook stops the watchdogs.
+NO_SHUTDOWN_SCRIPT = README_SCRIPT.replace(
+    "commopt.shutdown()",
+    "import threading\nassert any(t.name == 'commopt-watchdog' for t in threading.enumerate())",
+)
 
-
-@_script("no_shutdown", 6)
-def _no_shutdown() -> str:
-    # Forgetting commopt.shutdown() must not crash either: an atexit hook stops the watchdogs.
-    return README_SCRIPT.replace(
-        "commopt.shutdown()",
-        "import threading\nassert any(t.name == 'commopt-watchdog' for t in threading.enumerate())",
-    )
-
-
-@_script("overlap_in_flight", 6)
-def _overlap_in_flight() -> str:
-    # overlap=True: the communication thread may still be exchanging the last backward's
-    # buckets when the script ends (no step() after it, no shutdown()); the optimizer's
-    # finalizer joins the thread at exit, before the process group is torn down.
-    script = README_SCRIPT.replace(
-        "freeze_step=3)", "freeze_step=3, overlap=True, bucket_numel=20)"
-    ).replace(
-        "commopt.shutdown()",
-        "loss = model(loader[0]).mean(); loss.backward()  # exchanges start; no step()\n"
-        "assert opt.early_work.thread._thread.is_alive()",
-    )
-    assert "overlap=True" in script
-    return script
-
+# overlap=True: the communication thread may still be exchanging the last backward's buckets
+# when the script ends (no step() after it, no shutdown()); the optimizer's finalizer joins the
+# thread at exit, before the process group is torn down.
+OVERLAP_SCRIPT = README_SCRIPT.replace(
+    "freeze_step=3)", "freeze_step=3, overlap=True, bucket_numel=20)"
+).replace(
+    "commopt.shutdown()",
+    "loss = model(loader[0]).mean(); loss.backward()  # exchanges start; no step()\n"
+    "assert opt.early_work.thread._thread.is_alive()",
+)
 
 # The usual dist.destroy_process_group() after commopt.shutdown() raised "Process group
 # cannot be None" (exit code 1): shutdown() destroyed init()'s group itself.
@@ -170,17 +144,22 @@ ENDINGS = {
     "destroy-then-shutdown": "torch.distributed.destroy_process_group()\ncommopt.shutdown()",
     "destroy-only": "torch.distributed.destroy_process_group()",
 }
-for _ending_id, _ending in ENDINGS.items():
-    SCRIPTS[_ending_id] = (README_SCRIPT.replace("commopt.shutdown()", _ending), 3)
 
+OWN_GROUP_SCRIPT = README_SCRIPT.replace(
+    "commopt.init()",
+    "import warnings\nwarnings.filterwarnings('error', message='.*already initialized')\n"
+    "torch.distributed.init_process_group('gloo')\ncommopt.init()",
+).replace("commopt.shutdown()", "commopt.shutdown()\ntorch.distributed.destroy_process_group()")
 
-@_script("own_group", 2)
-def _own_group() -> str:
-    return README_SCRIPT.replace(
-        "commopt.init()",
-        "import warnings\nwarnings.filterwarnings('error', message='.*already initialized')\n"
-        "torch.distributed.init_process_group('gloo')\ncommopt.init()",
-    ).replace("commopt.shutdown()", "commopt.shutdown()\ntorch.distributed.destroy_process_group()")
+# Every script of this file and its number of runs, all in one launcher (one import of torch
+# and commopt).
+SCRIPTS: dict[str, tuple[str, int]] = {
+    "readme": (README_SCRIPT, RUNS),
+    "no_shutdown": (NO_SHUTDOWN_SCRIPT, 6),
+    "overlap_in_flight": (OVERLAP_SCRIPT, 6),
+    **{name: (README_SCRIPT.replace("commopt.shutdown()", e), 3) for name, e in ENDINGS.items()},
+    "own_group": (OWN_GROUP_SCRIPT, 2),
+}
 
 
 @pytest.mark.timeout(900)
@@ -195,6 +174,7 @@ def test_script_without_shutdown_exits_zero_too(launched):
 
 @pytest.mark.timeout(900)
 def test_overlap_script_exits_zero_with_exchanges_in_flight(launched):
+    assert "overlap=True" in OVERLAP_SCRIPT
     _assert_every_run_exits_zero(launched, "overlap_in_flight")
 
 
