@@ -35,14 +35,15 @@ __all__ = ["MODES", "SYNC_EVERY", "check_diloco", "run_diloco"]
 SYNC_EVERY = 6
 STEPS = 20
 RESUME_AT = 9  # mid-interval; with fragments=2, delay=1 fragment 0's sync is then in flight
+# fp32_syncs=0: 1 bit from the first sync (the default would run this short run's syncs at fp32)
 MODES: dict[str, dict[str, Any]] = {
-    "onebit": dict(compression="onebit"),
+    "onebit": dict(compression="onebit", fp32_syncs=0),
     "none": dict(compression="none"),
     "bf16": dict(compression="bf16"),
-    "onebit-streaming": dict(compression="onebit", fragments=2, delay=1),
+    "onebit-streaming": dict(compression="onebit", fragments=2, delay=1, fp32_syncs=0),
     "none-streaming": dict(compression="none", fragments=2, delay=2),
     "onebit-warmup-nesterov": dict(
-        compression="onebit", warmup_steps=4, outer_lr=0.7, outer_momentum=0.9
+        compression="onebit", warmup_steps=4, outer_lr=0.7, outer_momentum=0.9, fp32_syncs=0
     ),
     # fragment 0 syncs at 3, 9 (fp32, in flight at RESUME_AT) and 15 (1 bit); fragment 1 at
     # 6, 12 (fp32) and 18

@@ -12,6 +12,13 @@ staggered syncs), :mod:`~commopt.diloco.agreement` (the ranks agree on the setti
 """
 
 from commopt.choices import COMPRESSIONS
-from commopt.diloco.outer import OUTER_DEFAULTS, DiLoCo, Progress
+from commopt.diloco.outer import FP32_START, OUTER_DEFAULTS, DiLoCo, Progress, default_fp32_syncs
 
-__all__ = ["COMPRESSIONS", "OUTER_DEFAULTS", "DiLoCo", "Progress"]
+__all__ = [
+    "COMPRESSIONS",
+    "FP32_START",
+    "OUTER_DEFAULTS",
+    "DiLoCo",
+    "Progress",
+    "default_fp32_syncs",
+]

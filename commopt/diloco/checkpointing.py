@@ -6,7 +6,8 @@ Layout (torch's, so :func:`commopt.save_checkpoint` splits it like any optimizer
                              "diloco_outer_momentum": b (only with outer momentum)}}
     "param_groups": the inner optimizer's
     "commopt":      this rank's part: {"kind": "diloco", "world_size", "rank", "layout" (the
-                    average and its exchange), "settings", "step", "syncs", "last_sync", "bytes",
+                    average and its exchange), "settings", "step", "syncs", "fp32_syncs_run",
+                    "last_sync", "bytes",
                     "buckets": [the error buffers of each segment of each fragment],
                     "pending": [a delayed sync in flight: its fragment, the step it is
                     applied after, its average],
@@ -89,6 +90,7 @@ def state_dict(own: Parts) -> dict[str, Any]:
         "settings": own.settings,
         "step": own.progress.step,
         "syncs": own.progress.syncs,
+        "fp32_syncs_run": own.progress.fp32_syncs_run,
         "last_sync": list(own.progress.last_sync),
         "bytes": dict(own.progress.bytes),
         "buckets": [dict(state) for frag in own.parts for state in frag.states],
@@ -192,8 +194,9 @@ def load_state_dict(own: Parts, sd: dict[str, Any]) -> None:
                     frag.views(frag.momentum)[j].copy_(entry[_MOMENTUM])
     own.progress.step = int(comm["step"])
     own.progress.syncs = int(comm.get("syncs", 0))
+    own.progress.fp32_syncs_run = int(comm.get("fp32_syncs_run", 0))
     own.progress.last_sync[:] = [int(t) for t in comm["last_sync"]]
-    own.progress.bytes.update(comm.get("bytes", {}))
+    own.progress.bytes.update({"fp32": 0, **comm.get("bytes", {})})  # "fp32": since 2026-11-28
     own.progress.pending.clear()
     for item in comm.get("pending", []):
         frag = own.parts[item["fragment"]]

@@ -53,7 +53,7 @@ from commopt.diloco.fragments import Fragment, first_sync_offsets, split_paramet
 from commopt.exchange import build_exchange, discover_topology
 from commopt.exchange.levels import build_level_backends, wants_shared_memory
 
-__all__ = ["OUTER_DEFAULTS", "DiLoCo", "Progress"]
+__all__ = ["FP32_START", "OUTER_DEFAULTS", "DiLoCo", "Progress", "default_fp32_syncs"]
 
 
 @dataclasses.dataclass
@@ -64,10 +64,13 @@ class Progress:
     """inner steps taken"""
     syncs: int = 0
     """fragment averages run"""
+    fp32_syncs_run: int = 0
+    """of which at fp32 by ``fp32_syncs``"""
     bytes: dict[str, int] = dataclasses.field(
-        default_factory=lambda: {"sync": 0, "warmup": 0, "local": 0}
+        default_factory=lambda: {"sync": 0, "fp32": 0, "warmup": 0, "local": 0}
     )
-    """modelled bytes sent, by what sent them (:meth:`DiLoCo.comm_stats`)"""
+    """modelled bytes sent, by what sent them (:meth:`DiLoCo.comm_stats`; ``"fp32"``: the part
+    of ``"sync"`` sent by the first ``fp32_syncs`` syncs)"""
     pending: dict[int, tuple[concurrent.futures.Future[torch.Tensor], int]] = dataclasses.field(
         default_factory=dict
     )
@@ -82,6 +85,19 @@ OUTER_DEFAULTS: dict[str, tuple[float, float]] = {
     "none": (1.3, 0.0),
     "bf16": (1.3, 0.0),
 }
+
+
+#: with ``compression="onebit"`` and ``fp32_syncs=None``, the syncs within the first this many
+#: inner steps, and at least two, average at fp32 (docs/algorithms/diloco.md, "The first syncs
+#: in fp32")
+FP32_START = 50
+
+
+def default_fp32_syncs(compression: Compression, sync_every: int) -> int:
+    """What ``fp32_syncs=None`` means: max(2, ⌈FP32_START / H⌉) with ``"onebit"`` (5 at
+    H = 10, 3 at H = 20, 2 at H ≥ 25), 0 with ``"none"`` and ``"bf16"``, whose syncs are not
+    1-bit anyway."""
+    return max(2, -(-FP32_START // sync_every)) if compression == "onebit" else 0
 
 
 class DiLoCo:
@@ -124,9 +140,13 @@ class DiLoCo:
             step (data parallel, as 1-bit Adam's warmup), and the anchor is taken after step W.
         fp32_syncs: K; each fragment's first K syncs average Δ by one fp32 all-reduce (as
             ``"none"``), the error buffers left at zero; ``compression`` from the (K+1)-th on.
-            The early pseudo-gradients are the large ones, where one bit loses the most: on
-            digits K = 5 at H = 10 took the 1-bit gap to fp32 from +12 % to +3 %
-            (docs/algorithms/diloco.md), for K·64·(n−1)/n bits per parameter once.
+            The early pseudo-gradients are the large ones, where one bit loses the most.
+            ``None``: :func:`default_fp32_syncs`, with ``"onebit"`` the syncs of the first 50
+            inner steps and at least two (K = 5 at H = 10 took the 1-bit gap to fp32 on digits
+            from +5.5 % to −2.5 % over 8 seeds, K = 2 at H = 50 from +4.8 % to −0.1 %;
+            docs/algorithms/diloco.md), for K·64·(n−1)/n bits per parameter once;
+            ``comm_stats()`` reports the rate after them apart. ``0``: 1 bit from the first
+            sync.
         topology: ``"flat"``, or ``"hierarchical"``: every step averages gradients inside the
             node at fp32, so a node is one DiLoCo worker, and the sync crosses nodes through the
             hierarchical 1-bit exchange (``"none"``/``"bf16"`` average over all ranks).
@@ -150,7 +170,7 @@ class DiLoCo:
         fragments: int = 1,
         delay: int = 0,
         warmup_steps: int = 0,
-        fp32_syncs: int = 0,
+        fp32_syncs: int | None = None,
         topology: OuterTopology = "flat",
         scale: Scale = "tensor",
         backend: Backend | None = None,
@@ -167,6 +187,8 @@ class DiLoCo:
             raise ValueError(
                 f"fragments={fragments} needs sync_every >= fragments, got {sync_every}"
             )
+        if fp32_syncs is None:
+            fp32_syncs = default_fp32_syncs(compression, sync_every)
         for name, value in (("warmup_steps", warmup_steps), ("fp32_syncs", fp32_syncs)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"Invalid {name}: {value!r} (an integer >= 0)")
@@ -338,7 +360,10 @@ class DiLoCo:
         for level, b in average.backends.items():
             sent = (b.stats.snapshot() - before[level]).bytes_sent
             self.progress.bytes["local" if level == "local" else "sync"] += sent
+            if fp32:
+                self.progress.bytes["fp32"] += sent
         self.progress.syncs += 1
+        self.progress.fp32_syncs_run += int(fp32)
         return frag.delta
 
     def _apply(self, p: int, average: torch.Tensor) -> None:
@@ -367,21 +392,32 @@ class DiLoCo:
     def comm_stats(self) -> dict[str, Any]:
         """What this rank sent (modelled bytes, SPEC §7's cost model).
 
-        ``bytes_sent``: the syncs and the warmup on the global (or cross-node) level;
+        ``syncs``: fragment averages run, ``syncs_at_fp32`` of them by ``fp32_syncs``;
+        ``bytes_sent``: the syncs and the warmup on the global (or cross-node) level, of which
+        ``sync_bytes`` the syncs and ``fp32_sync_bytes`` the first ``fp32_syncs`` of them;
         ``local_bytes``: inside the node (``topology="hierarchical"``);
-        ``bits_per_parameter_per_step``: 8·``bytes_sent`` / (synced elements · inner steps).
+        ``bits_per_parameter_per_step``: 8·``bytes_sent`` / (synced elements · inner steps), the
+        whole run's rate; ``compressed_bits_per_parameter_per_step``: the rate once the warmup
+        and the fp32 syncs are over (the steps after W + K·H), the syncs in ``compression``
+        only: what the per-step bound 2/H of ``"onebit"`` is about, as 1-bit Adam's 2 bits per
+        parameter are its compression stage's.
         """
         numel = sum(f.numel for f in self.parts)
         sent = self.progress.bytes["sync"] + self.progress.bytes["warmup"]
+        compressed = self.progress.bytes["sync"] - self.progress.bytes["fp32"]
+        stage = self.progress.step - self.warmup_steps - self.fp32_syncs * self.sync_every
         return {
             "steps": self.progress.step,
             "syncs": self.progress.syncs,
+            "syncs_at_fp32": self.progress.fp32_syncs_run,
             "parameters": numel,
             "bytes_sent": sent,
             "sync_bytes": self.progress.bytes["sync"],
+            "fp32_sync_bytes": self.progress.bytes["fp32"],
             "warmup_bytes": self.progress.bytes["warmup"],
             "local_bytes": self.progress.bytes["local"],
             "bits_per_parameter_per_step": 8 * sent / (numel * max(1, self.progress.step)),
+            "compressed_bits_per_parameter_per_step": 8 * compressed / (numel * max(1, stage)),
         }
 
     def state_dict(self) -> dict[str, Any]:

@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 import commopt
+from commopt.diloco import default_fp32_syncs
 from commopt.kernels import get_kernels
 from experiments.harness.bytelm import (
     DEMO_TABLE,
@@ -86,8 +87,9 @@ __all__ = ["TABLE", "VARIANTS", "main", "report", "write_table"]
 #   on gradients the optimizer averages in fp32 (one all_reduce per step + the 16-byte flags).
 #   OnebitLamb uses the same lr and freeze_step = cfg.warmup (OnebitAdam's warmup).
 # - DiLoCo-1bit: the Adam row's optimizer, its gradients left local, inside commopt.DiLoCo with
-#   its defaults (1-bit pseudo-gradient with error feedback, one scale per tensor, outer lr 1.3,
-#   no outer momentum; chosen on the convergence suite, docs/algorithms/diloco.md, not here)
+#   its defaults (the syncs of the first 50 steps at fp32, then a 1-bit pseudo-gradient with
+#   error feedback, one scale per tensor, outer lr 1.3, no outer momentum; chosen on the
+#   convergence suite, docs/algorithms/diloco.md, not here)
 #   and H = 10, the smallest H the issue asks about.
 def _settled_beta2(freeze_step: int) -> float:
     """β2 whose uncorrected v has reached 95 % of its level by ``freeze_step``: 1 − 3/T."""
@@ -153,9 +155,13 @@ VARIANTS: list[Variant] = [
             torch.optim.Adam(params, lr=cfg.lr), sync_every=cfg.sync_every
         ),
         average_gradients=False,
-        compression_from=lambda cfg: 1,
+        # the 1-bit stage starts after the syncs the defaults run at fp32
+        compression_from=lambda cfg: (
+            default_fp32_syncs("onebit", cfg.sync_every) * cfg.sync_every + 1
+        ),
         description="commopt.DiLoCo(torch.optim.Adam(lr), sync_every=H): H local Adam steps, "
-        "then the pseudo-gradient averaged at 1 bit with error feedback, outer lr 1.3",
+        "then the pseudo-gradient averaged at fp32 for the syncs of the first 50 steps, then "
+        "at 1 bit with error feedback; outer lr 1.3",
     ),
 ]
 

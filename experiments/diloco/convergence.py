@@ -28,6 +28,7 @@ import statistics
 import sys
 import time
 
+from commopt.diloco import default_fp32_syncs
 from experiments.convergence.run import DEFAULTS, task_hyper, train_variants
 from experiments.harness import describe_machine, launch
 from experiments.harness.tasks import load_task
@@ -42,8 +43,10 @@ def default_variants(sync_every: list[int]) -> list[str]:
     rows = ["Adam", "OnebitAdam", "ZeroOneAdam"]
     for c in ("none", "bf16"):
         rows += [f"DiLoCo-{c}-H{h}" for h in sync_every]
-    rows += [f"DiLoCo-onebit-H{h}-tensor" for h in sync_every]  # commopt's default scale
-    return [*rows, "DiLoCo-onebit-H50-P4-tensor"]
+    # commopt's defaults: one scale per tensor, the syncs of the first 50 steps (two at least) at
+    # fp32; the labels spell the fp32 syncs out, as a label without -fS has none
+    rows += [f"DiLoCo-onebit-H{h}-f{default_fp32_syncs('onebit', h)}-tensor" for h in sync_every]
+    return [*rows, f"DiLoCo-onebit-H50-P4-f{default_fp32_syncs('onebit', 50)}-tensor"]
 
 
 def _h(label: str) -> str | None:

@@ -3,8 +3,9 @@ r"""DiLoCo variants on the README demo's byte-level LM, one seed, beside its com
 
     python -m experiments.diloco.demo_lm --variants none-H10,onebit-H10,onebit-H10-tensor
 
-Each variant is ``COMPRESSION-HK[-wW][-oR][-tensor]`` (compression, ``sync_every`` K, warmup
-steps W, outer lr R, one 1-bit scale per tensor) around the demo's Adam row, trained on the
+Each variant is ``COMPRESSION-HK[-wW][-fS][-oR][-tensor]`` (compression, ``sync_every`` K,
+warmup steps W, the first S syncs at fp32, outer lr R, one 1-bit scale per tensor; what is left
+out takes commopt.DiLoCo's default) around the demo's Adam row, trained on the
 demo's task with its settings (:mod:`experiments.harness.bytelm`: 4 forked gloo ranks, 300
 steps, rank 0's weights, the same batches). Prints each variant's final validation loss and
 its gap to the Adam row of the committed table (experiments/demo/results/table.md).
@@ -29,7 +30,8 @@ from experiments.harness import bytelm, launch
 __all__ = ["main", "parse"]
 
 _SPEC = re.compile(
-    r"(?P<c>none|bf16|onebit)-H(?P<h>\d+)(?:-w(?P<w>\d+))?(?:-o(?P<o>[\d.]+))?(?P<t>-tensor)?"
+    r"(?P<c>none|bf16|onebit)-H(?P<h>\d+)(?:-w(?P<w>\d+))?(?:-f(?P<f>\d+))?(?:-o(?P<o>[\d.]+))?"
+    r"(?P<t>-tensor)?"
 )
 
 
@@ -37,10 +39,12 @@ def parse(spec: str) -> dict[str, Any]:
     """``commopt.DiLoCo`` keyword arguments for a variant label (module docstring)."""
     m = _SPEC.fullmatch(spec)
     if m is None:
-        raise SystemExit(f"bad variant {spec!r}: expected COMPRESSION-HK[-wW][-oR][-tensor]")
+        raise SystemExit(f"bad variant {spec!r}: expected COMPRESSION-HK[-wW][-fS][-oR][-tensor]")
     kw: dict[str, Any] = {"compression": m["c"], "sync_every": int(m["h"])}
     if m["w"]:
         kw["warmup_steps"] = int(m["w"])
+    if m["f"]:
+        kw["fp32_syncs"] = int(m["f"])
     if m["o"]:
         kw["outer_lr"] = float(m["o"])
     if m["t"]:

@@ -284,7 +284,9 @@ def train(
     train_on_task(task, setup, cfg.steps, every, record)
     calls = backend.stats.calls - calls0
     if isinstance(optimizer, commopt.DiLoCo):
-        full_rounds, compressed_rounds, skipped = 0, optimizer.comm_stats()["syncs"], 0
+        stats = optimizer.comm_stats()
+        full_rounds, skipped = stats["syncs_at_fp32"], 0
+        compressed_rounds = stats["syncs"] - full_rounds
     elif isinstance(optimizer, commopt.optim.CompressedOptimizer):
         stats = optimizer.comm_stats()
         full_rounds, compressed_rounds = stats["full_precision_rounds"], stats["compressed_rounds"]

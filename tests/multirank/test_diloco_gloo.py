@@ -140,6 +140,7 @@ def _islands(backend):
         sync_every=H,
         topology="hierarchical",
         scale="fragment",  # one exchange, so the bytes below are the signs' and a few scales
+        fp32_syncs=0,
     )
     for step in range(1, 2 * H + 1):
         _loss(model, backend.rank, step).backward()
@@ -170,7 +171,7 @@ def _traffic(backend):
     torch.manual_seed(0)
     model = torch.nn.Linear(500, 400)  # 200,400 parameters
     opt = commopt.DiLoCo(torch.optim.AdamW(model.parameters(), lr=1e-3), sync_every=50)
-    for step in range(1, 101):
+    for step in range(1, 201):  # the defaults: the first two syncs at fp32, then two at 1 bit
         g = torch.Generator().manual_seed(step + 7 * backend.rank)
         model(torch.randn(4, 500, generator=g)).square().mean().backward()
         opt.step()
@@ -182,9 +183,16 @@ def _traffic(backend):
 def test_onebit_sends_at_most_two_bits_per_parameter_per_sync_at_any_world_size(world) -> None:
     stats = run_ranks(_traffic, world, timeout=TIMEOUT)
     for s in stats:
-        assert s["syncs"] == 2
-        assert s["bits_per_parameter_per_step"] <= 1.05 * 2 / 50, s
-        assert s["bits_per_parameter_per_step"] >= 2 * (world - 1) / world / 50, s
+        assert s["syncs"] == 4 and s["syncs_at_fp32"] == 2
+        # the two fp32 syncs of the defaults at H = 50: each an all-reduce of the N fp32
+        # elements, 2·(n−1)/n·4N bytes, and an all-gather of the n 4-byte finiteness flags
+        per_sync = 2 * (world - 1) / world * 4 * s["parameters"] + (world - 1) * 4
+        assert s["fp32_sync_bytes"] == 2 * per_sync, s
+        # then the 1-bit syncs: at most 1.05 × 2/H bits per parameter per inner step
+        assert s["compressed_bits_per_parameter_per_step"] <= 1.05 * 2 / 50, s
+        assert s["compressed_bits_per_parameter_per_step"] >= 2 * (world - 1) / world / 50, s
+        whole = 8 * s["sync_bytes"] / (s["parameters"] * 200)
+        assert s["bits_per_parameter_per_step"] == pytest.approx(whole, rel=1e-12), s
 
 
 def _non_finite(backend, compression, bad_rank):
@@ -194,6 +202,7 @@ def _non_finite(backend, compression, bad_rank):
         sync_every=2,
         compression=compression,
         outer_momentum=0.5,
+        fp32_syncs=0,  # "onebit" at 1 bit from the first sync
     )
     for step in range(1, 3):  # one good sync first
         _loss(model, backend.rank, step).backward()
@@ -267,7 +276,8 @@ def _files(backend, path, delay):
     def build():
         model = _model()
         inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        return model, commopt.DiLoCo(inner, sync_every=4, fragments=2, delay=delay)
+        kw = dict(sync_every=4, fragments=2, delay=delay, fp32_syncs=0)  # error buffers in play
+        return model, commopt.DiLoCo(inner, **kw)
 
     def train(model, opt, steps):
         for step in steps:
@@ -296,7 +306,7 @@ def test_a_resume_from_checkpoint_files_mid_interval_is_bit_exact(tmp_path, dela
 
 def _other_world(backend, path):
     model = _model()
-    opt = commopt.DiLoCo(torch.optim.AdamW(model.parameters(), lr=1e-2), sync_every=4)
+    opt = commopt.DiLoCo(torch.optim.AdamW(model.parameters(), lr=1e-2), sync_every=4, fp32_syncs=0)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         commopt.load_checkpoint(path, model, opt)
@@ -306,7 +316,7 @@ def _other_world(backend, path):
 
 def _save(backend, path):
     model = _model()
-    opt = commopt.DiLoCo(torch.optim.AdamW(model.parameters(), lr=1e-2), sync_every=4)
+    opt = commopt.DiLoCo(torch.optim.AdamW(model.parameters(), lr=1e-2), sync_every=4, fp32_syncs=0)
     for step in range(1, 10):
         _loss(model, backend.rank, step).backward()
         opt.step()

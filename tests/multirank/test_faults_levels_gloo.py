@@ -48,7 +48,8 @@ def _train(rank: int, case: str, out: str) -> None:
         inner = torch.optim.AdamW(model.parameters(), lr=1e-3)
         delay = 1 if case == "diloco-channel" else 0
         topology = "hierarchical" if case == "diloco-node" else "flat"
-        opt = commopt.DiLoCo(inner, sync_every=2, delay=delay, topology=topology)
+        kw = dict(sync_every=2, delay=delay, topology=topology, fp32_syncs=0)  # 1 bit at once
+        opt = commopt.DiLoCo(inner, **kw)
     else:
         topology = "flat" if case == "overlap-channel" else "hierarchical"
         opt = commopt.OnebitAdam(

@@ -131,16 +131,39 @@ def test_a_state_dict_with_other_settings_is_refused_and_changes_nothing() -> No
 
 
 def test_a_state_dict_from_before_fp32_syncs_loads_as_zero_fp32_syncs() -> None:
-    model, opt = _make()
+    model, opt = _make(fp32_syncs=0)
     _train(model, opt, range(1, 6))
     saved = opt.state_dict()
     del saved["commopt"]["settings"]["fp32_syncs"]  # what a state dict saved before it holds
-    _, same = _make()
+    del saved["commopt"]["bytes"]["fp32"]
+    _, same = _make(fp32_syncs=0)
     same.load_state_dict(saved)
-    assert same.progress.step == 5
-    _, other = _make(fp32_syncs=1)
-    with pytest.raises(ValueError, match="fp32_syncs saved 0, here 1"):
+    assert same.progress.step == 5 and same.progress.bytes["fp32"] == 0
+    _, other = _make()  # today's default at H = 4: ⌈50/4⌉ = 13 syncs at fp32
+    with pytest.raises(ValueError, match="fp32_syncs saved 0, here 13"):
         other.load_state_dict(saved)
+
+
+@pytest.mark.parametrize(
+    ("compression", "sync_every", "expected"),
+    [
+        ("onebit", 10, 5),
+        ("onebit", 20, 3),
+        ("onebit", 50, 2),
+        ("onebit", 500, 2),
+        ("onebit", 7, 8),
+        ("none", 10, 0),
+        ("bf16", 50, 0),
+    ],
+)
+def test_fp32_syncs_defaults_to_the_syncs_of_the_first_50_steps_and_two_at_least_with_onebit(
+    compression, sync_every, expected
+) -> None:
+    _, opt = _make(compression=compression, sync_every=sync_every)
+    assert opt.fp32_syncs == expected == opt.settings()["fp32_syncs"]
+    assert f"fp32_syncs={expected}" in repr(opt)
+    _, explicit = _make(compression=compression, sync_every=sync_every, fp32_syncs=0)
+    assert explicit.fp32_syncs == 0
 
 
 def test_resume_mid_interval_is_bit_exact_with_momentum_and_warmup() -> None:

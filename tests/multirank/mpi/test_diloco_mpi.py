@@ -27,6 +27,7 @@ def test_hierarchical_islands_on_mpi(mpi_backend: MpiBackend, world, allgather, 
         torch.optim.Adam(model.parameters(), lr=1e-2),
         sync_every=4,
         topology="hierarchical",
+        fp32_syncs=0,  # the hierarchical 1-bit exchange from the first sync
         backend=mpi_backend,
     )
     digests = []
