@@ -126,7 +126,7 @@ def test_equals_the_outer_loop_written_by_hand(compression, outer, scale, fp32_s
             assert 0 < onebit < (3 - fp32_syncs) * fp32 / 4, stats  # (small tensors: padding)
 
 
-def _islands(backend):
+def _islands(backend, fp32_syncs):
     local = 2
     os.environ.update(
         LOCAL_RANK=str(backend.rank % local),
@@ -140,7 +140,7 @@ def _islands(backend):
         sync_every=H,
         topology="hierarchical",
         scale="fragment",  # one exchange, so the bytes below are the signs' and a few scales
-        fp32_syncs=0,
+        fp32_syncs=fp32_syncs,
     )
     for step in range(1, 2 * H + 1):
         _loss(model, backend.rank, step).backward()
@@ -151,8 +151,9 @@ def _islands(backend):
     return node, opt.comm_stats(), type(opt.average.exchange).__name__
 
 
-def test_hierarchical_islands_average_inside_the_node_every_step_and_sync_across() -> None:
-    results = run_ranks(_islands, 4, timeout=TIMEOUT)
+@pytest.mark.parametrize("fp32_syncs", [0, 1])
+def test_hierarchical_islands_average_inside_the_node_every_step_and_sync_across(fp32_syncs):
+    results = run_ranks(_islands, 4, fp32_syncs, timeout=TIMEOUT)
     (a, stats, name), (b, _, _), (c, _, _), (d, _, _) = results
     assert name == "HierarchicalExchange"
     assert torch.equal(a, b) and torch.equal(c, d)  # one worker per node, on every step
@@ -160,11 +161,15 @@ def test_hierarchical_islands_average_inside_the_node_every_step_and_sync_across
     for k in (H - 1, 2 * H - 1):  # and are identical right after each sync
         assert torch.equal(a[k], c[k])
     assert stats["local_bytes"] > 0 and stats["syncs"] == 2
+    assert stats["syncs_at_fp32"] == fp32_syncs
     # across nodes each local rank carries half its node's bits, 2·(K−1)/K·(N/L)/8 per sync with
     # K = L = 2, where the flat exchange's ranks send 2·(n−1)/n·N/8 each: 3× the signs (the
     # scales and the records of the hierarchical checks add ~60 bytes here)
     flat = 2 * 3 / 4 * padded_size(stats["parameters"], 4) / 8
-    assert stats["sync_bytes"] / stats["syncs"] < 0.5 * flat
+    onebit = stats["sync_bytes"] - stats["fp32_sync_bytes"]
+    assert onebit / (stats["syncs"] - fp32_syncs) < 0.5 * flat
+    # a first sync at fp32 averages over all four ranks: 2·(n−1)/n·4N + the n finiteness flags
+    assert stats["fp32_sync_bytes"] == fp32_syncs * (1.5 * 4 * stats["parameters"] + 12)
 
 
 def _traffic(backend):
