@@ -242,12 +242,16 @@ def headline(results: list[Result], cfg: Config, numel: int) -> list[str]:
         return []
     sent = sum(row.step_bytes)
     bits = 8 * sent / (numel * cfg.steps)
+    fp32 = default_fp32_syncs("onebit", cfg.sync_every)
+    start = min(fp32 * cfg.sync_every, cfg.steps)  # the 1-bit stage: after the fp32 syncs
+    stage = 8 * sum(row.step_bytes[start:]) / (numel * max(1, cfg.steps - start))
     return [
         "",
         f"**DiLoCo-1bit** (H = {cfg.sync_every}): validation loss {row.val_loss:.4f}, "
         f"{100 * (row.val_loss / base.val_loss - 1):+.1f} % from {base.label}'s, with "
-        f"{sum(base.step_bytes) / sent:.0f}x less traffic ({bits:.3f} bits per parameter per "
-        "step).",
+        f"{sum(base.step_bytes) / sent:.0f}x less traffic over the run ({bits:.3f} bits per "
+        f"parameter per step, its first {fp32} syncs at fp32; {stage:.3f} in the 1-bit stage "
+        "after them).",
     ]
 
 
