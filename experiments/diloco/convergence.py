@@ -129,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
             f"betas {hp.betas} for every row (DiLoCo's inner optimizer too); 1-bit Adam freeze "
             f"step and 0/1 Adam variance freeze {hp.warmup}. Command: `python -m "
             f"experiments.diloco.convergence --task {args.task} --seeds {args.seeds}"
+            + (f" --steps {args.steps}" if args.steps else "")
             + (f" --optimizers {args.optimizers}" if args.optimizers else "")
             + "`.",
             f"Machine: {describe_machine()}; {time.perf_counter() - t0:.0f} s wall.",
@@ -140,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args.out.mkdir(parents=True, exist_ok=True)
     name = args.task if not args.optimizers else f"{args.task}-{len(variants)}-variants"
+    name += f"-{args.steps}-steps" if args.steps else ""
     (args.out / f"{name}.md").write_text(text + "\n")
     print(text)
     return 0
