@@ -141,7 +141,6 @@ def main(argv: list[str] | None = None) -> int:
     )
     args.out.mkdir(parents=True, exist_ok=True)
     name = args.task if not args.optimizers else f"{args.task}-{len(variants)}-variants"
-    name += f"-{args.steps}-steps" if args.steps else ""
     (args.out / f"{name}.md").write_text(text + "\n")
     print(text)
     return 0
