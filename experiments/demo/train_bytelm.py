@@ -242,8 +242,10 @@ def headline(results: list[Result], cfg: Config, numel: int) -> list[str]:
         return []
     sent = sum(row.step_bytes)
     bits = 8 * sent / (numel * cfg.steps)
-    fp32 = default_fp32_syncs("onebit", cfg.sync_every)
-    start = min(fp32 * cfg.sync_every, cfg.steps)  # the 1-bit stage: after the fp32 syncs
+    variant = next(v for v in VARIANTS if v.label == row.label)
+    start = variant.compression_from(cfg) - 1  # the 1-bit stage, as the table's "x 1bit"
+    fp32 = start // cfg.sync_every  # the syncs before it
+    start = min(start, cfg.steps)
     stage = 8 * sum(row.step_bytes[start:]) / (numel * max(1, cfg.steps - start))
     return [
         "",
