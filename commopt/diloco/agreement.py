@@ -4,18 +4,24 @@ Ranks that disagree on ``sync_every`` would enter the pseudo-gradient's collecti
 different steps: one rank waits in a collective the others never start (or, worse, pairs it
 with a later, unrelated one). One all-gather of a few integers when the loop is built turns
 that into a ``ValueError`` on every rank that names the setting and each rank's value.
+
+Ranks that step in lockstep are a quieter mistake: a ``DistributedDataParallel`` model averages
+every gradient in ``backward()``, so each inner step is already a data-parallel step, every rank's
+pseudo-gradient is the same, and the outer loop adds its syncs to DDP's traffic instead of
+replacing it. :func:`warn_if_in_lockstep` looks for that at the first sync.
 """
 
 from __future__ import annotations
 
 import struct
+import warnings
 from collections.abc import Mapping
 
 import torch
 
 from commopt.comm import Backend
 
-__all__ = ["agree", "float_bits"]
+__all__ = ["LOCKSTEP_MESSAGE", "agree", "float_bits", "warn_if_in_lockstep"]
 
 
 def float_bits(x: float) -> int:
@@ -49,3 +55,33 @@ def agree(backend: Backend, fields: Mapping[str, int], what: str) -> None:
             f"{what}: the ranks were built with different settings ({detail}); every rank must "
             "pass the same ones (floats are compared by their bits)"
         )
+
+
+#: the warning of :func:`warn_if_in_lockstep` (``{n}``: the number of ranks)
+LOCKSTEP_MESSAGE = (
+    "DiLoCo: at the first sync the pseudo-gradients of all {n} ranks were bit-identical, so the "
+    "inner steps ran in lockstep. Either the gradients were averaged in backward, as a "
+    "DistributedDataParallel model does on every step (leave them local: "
+    "model.register_comm_hook(None, torch.distributed.algorithms.ddp_comm_hooks."
+    "debugging_hooks.noop_hook)), or every rank trained on the same data. Either way the "
+    "syncs add traffic and change nothing (docs/algorithms/diloco.md, 'Under DDP')."
+)
+
+
+def warn_if_in_lockstep(backend: Backend, delta: torch.Tensor) -> bool:
+    """Warn (``UserWarning``, on every rank) when every rank's ``delta`` holds the same bits and
+    is not all zero; return whether it did. One all-gather of two int64 per rank: the sum of the
+    elements' bit patterns and the count of nonzero elements, a digest (ranks whose digests
+    collide without equal bits would be warned wrongly; nothing else changes)."""
+    n = backend.world_size
+    if n == 1:
+        return False
+    bits = delta.view(torch.int32)
+    mine = torch.stack([bits.sum(dtype=torch.int64), torch.count_nonzero(bits).to(torch.int64)])
+    table = torch.empty(2 * n, dtype=torch.int64, device=delta.device)
+    backend.all_gather(table, mine)
+    rows = table.view(n, 2).tolist()
+    if rows[0][1] > 0 and all(row == rows[0] for row in rows):
+        warnings.warn(LOCKSTEP_MESSAGE.format(n=n), UserWarning, stacklevel=4)
+        return True
+    return False

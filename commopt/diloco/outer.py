@@ -40,7 +40,7 @@ from commopt.choices import (
 from commopt.comm import Backend, resolve_backend
 from commopt.comm.channels import on_channel, open_channel
 from commopt.diloco import checkpointing
-from commopt.diloco.agreement import agree, float_bits
+from commopt.diloco.agreement import agree, float_bits, warn_if_in_lockstep
 from commopt.diloco.averages import (
     Bf16Average,
     Fp32Average,
@@ -244,6 +244,7 @@ class DiLoCo:
             frag.load_params_()
 
         self.progress = Progress(last_sync=[warmup_steps] * fragments)
+        self._lockstep_checked = False  # at the first sync this object runs (agreement.py)
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._channel: str | None = None
         if delay > 0:
@@ -285,6 +286,12 @@ class DiLoCo:
     def state(self) -> Any:
         """The inner optimizer's per-parameter state."""
         return self.inner.state
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        """The inner optimizer's defaults (read by frameworks that type an optimizer by its
+        attributes, as Lightning's ``Optimizable``)."""
+        return self.inner.defaults
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """The inner optimizer's ``zero_grad``."""
@@ -332,6 +339,11 @@ class DiLoCo:
         frag = self.parts[p]
         self.progress.last_sync[p] = t
         frag.pseudo_gradient()
+        if not self._lockstep_checked:
+            self._lockstep_checked = True
+            # islands' ranks share their node's steps by design; across nodes they must differ
+            if self.topology != "hierarchical":
+                warn_if_in_lockstep(self.backend, frag.delta)
         fp32 = self._in_fp32(p, t)
         if self._executor is None:
             self._apply(p, self._average(frag, fp32))

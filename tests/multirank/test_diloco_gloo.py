@@ -334,3 +334,44 @@ def test_a_checkpoint_loads_at_another_world_size_with_zero_error_buffers(tmp_pa
     run_ranks(_save, 4, path, timeout=TIMEOUT)
     for errors_zero, warned in run_ranks(_other_world, 2, path, timeout=TIMEOUT):
         assert errors_zero and warned
+
+
+def _under_ddp(backend, wrap):
+    """DiLoCo over a model that is plain, DDP-wrapped, or DDP-wrapped with torch's noop_hook:
+    (warned of lockstep, parameters differed across ranks before the first sync, final bits)."""
+    from torch.distributed.algorithms.ddp_comm_hooks.debugging_hooks import noop_hook
+    from torch.nn.parallel import DistributedDataParallel
+
+    plain = _model()
+    model = plain if wrap == "plain" else DistributedDataParallel(plain, broadcast_buffers=False)
+    if wrap == "ddp+noop_hook":
+        model.register_comm_hook(None, noop_hook)
+    opt = commopt.DiLoCo(torch.optim.AdamW(model.parameters(), lr=1e-2), sync_every=H)
+    differed = None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(1, 3 * H + 1):
+            _loss(model, backend.rank, step).backward()
+            opt.step()
+            opt.zero_grad()
+            if step == H - 1:
+                everyone = torch.empty(backend.world_size * _flat(plain).numel())
+                backend.all_gather(everyone, _flat(plain))
+                rows = everyone.view(backend.world_size, -1)
+                differed = not all(torch.equal(rows[0], row) for row in rows)
+    warned = any("ran in lockstep" in str(w.message) for w in caught)
+    return warned, differed, _flat(plain)
+
+
+def test_under_ddp_the_lockstep_is_warned_of_and_noop_hook_gives_the_plain_bits() -> None:
+    """A DDP model averages every gradient in backward, which turns the inner steps into
+    data-parallel ones: DiLoCo says so at the first sync, on every rank. With torch's noop_hook
+    the gradients stay local and DiLoCo computes exactly what it does without DDP."""
+    plain = run_ranks(_under_ddp, 3, "plain", timeout=TIMEOUT)
+    ddp = run_ranks(_under_ddp, 3, "ddp", timeout=TIMEOUT)
+    local = run_ranks(_under_ddp, 3, "ddp+noop_hook", timeout=TIMEOUT)
+    assert [(w, d) for w, d, _ in plain] == [(False, True)] * 3
+    assert [(w, d) for w, d, _ in ddp] == [(True, False)] * 3
+    assert [(w, d) for w, d, _ in local] == [(False, True)] * 3
+    assert all(torch.equal(a[2], b[2]) for a, b in zip(plain, local, strict=True))
+    assert all(torch.equal(plain[0][2], r[2]) for r in plain)  # one model after the last sync

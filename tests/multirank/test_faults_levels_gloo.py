@@ -59,6 +59,7 @@ def _train(rank: int, case: str, out: str) -> None:
             topology=topology,
             overlap=case == "overlap-channel",
         )
+    torch.manual_seed(1 + rank)  # every rank its own data (the same on all: DiLoCo would warn)
     for step in range(1, 40):
         if rank == 1 and step == 4:
             if case in ("local", "local-tcp"):
