@@ -19,6 +19,12 @@ Without the callback, DDP averages the gradients in full precision and the optim
 it is being handed averaged gradients (docs/ddp.md). With one device (no DDP) the callback does
 nothing and the optimizer communicates by itself, as it does outside Lightning.
 
+With :class:`commopt.DiLoCo` from ``configure_optimizers`` the callback registers torch's
+``noop_hook`` instead: the inner steps keep each rank's own gradients and DiLoCo averages the
+pseudo-gradient every H steps. (``DDPStrategy(ddp_comm_hook=noop_hook)`` would do the same on
+CUDA, but Lightning registers a strategy's hook only on CUDA devices; on CPU it is dropped and
+DDP averages every step, which DiLoCo then warns of at its first sync.)
+
 Needs ``pip install lightning`` (``lightning.pytorch``, version 2.4 or newer).
 """
 
@@ -27,9 +33,11 @@ from __future__ import annotations
 from typing import Any
 
 from lightning.pytorch import Callback, LightningModule, Trainer
+from torch.distributed.algorithms.ddp_comm_hooks.debugging_hooks import noop_hook
 from torch.nn.parallel import DistributedDataParallel
 
 from commopt.ddp import OnebitHookState, onebit_hook
+from commopt.diloco import DiLoCo
 from commopt.optim.base import CompressedOptimizer
 
 __all__ = ["OnebitHookCallback"]
@@ -37,7 +45,8 @@ __all__ = ["OnebitHookCallback"]
 
 class OnebitHookCallback(Callback):
     """Registers :func:`commopt.ddp.onebit_hook` on Lightning's DDP model at ``on_fit_start``,
-    paired with the module's one commopt optimizer.
+    paired with the module's one commopt optimizer; for a :class:`~commopt.DiLoCo`, torch's
+    ``noop_hook`` (the gradients stay local).
 
     Args:
         exchange_in_backward: passed to :class:`~commopt.ddp.OnebitHookState` (``None``, the
@@ -58,12 +67,16 @@ class OnebitHookCallback(Callback):
         model: Any = trainer.strategy.model
         if not isinstance(model, DistributedDataParallel):
             return
-        ours = [opt for opt in trainer.optimizers if isinstance(opt, CompressedOptimizer)]
+        kinds = (CompressedOptimizer, DiLoCo)
+        ours = [opt for opt in trainer.optimizers if isinstance(opt, kinds)]
         if len(ours) != 1:
             found = ", ".join(type(opt).__name__ for opt in trainer.optimizers) or "none"
             raise ValueError(
                 "OnebitHookCallback needs exactly one commopt optimizer (OnebitAdam, OnebitLamb, "
-                f"ZeroOneAdam) from configure_optimizers; found: {found}"
+                f"ZeroOneAdam, DiLoCo) from configure_optimizers; found: {found}"
             )
+        if isinstance(ours[0], DiLoCo):
+            model.register_comm_hook(None, noop_hook)
+            return
         self.state = OnebitHookState(ours[0], self.exchange_in_backward)
         model.register_comm_hook(self.state, onebit_hook)

@@ -14,6 +14,14 @@ each rank's gradient into the optimizer's momentum and exchanges the momentum at
 accumulation (``--accumulation``) uses DDP's ``no_sync()``, through accelerate: only the last
 backward pass of a step communicates. Rank 0 writes ``result.json`` (losses, the optimizer's
 ``comm_stats()``, whether the replicas ended identical).
+
+With ``--diloco H`` the optimizer is ``commopt.DiLoCo`` around ``torch.optim.AdamW`` instead
+(the learning-rate schedule on the inner AdamW). Its inner steps must not communicate, so
+``CommoptTrainer`` registers torch's ``noop_hook`` on the DDP model: each rank keeps its own
+gradients, and every H steps DiLoCo averages the pseudo-gradient. DiLoCo is built after
+``TrainingArguments``, which starts the process group under ``torchrun``, since building it is
+collective. ``result.json`` then also says, for the step before each sync, whether the ranks'
+parameters differed (they must: the gradients stayed local).
 """
 
 import argparse
@@ -23,6 +31,7 @@ import os
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks.debugging_hooks import noop_hook
 from torch.nn.parallel import DistributedDataParallel
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
@@ -50,25 +59,45 @@ class CountingDataset(torch.utils.data.Dataset):
 class CommoptTrainer(Trainer):
     """A Trainer whose DDP model communicates through commopt's hook (once it is wrapped)."""
 
-    def __init__(self, *args, commopt_optimizer: commopt.OnebitAdam, **kwargs) -> None:
+    def __init__(
+        self, *args, commopt_optimizer: commopt.OnebitAdam | commopt.DiLoCo, **kwargs
+    ) -> None:
         super().__init__(*args, **kwargs)
         self.commopt_optimizer = commopt_optimizer  # the Trainer wraps it; the hook needs ours
 
     def training_step(self, model, inputs, num_items_in_batch=None):  # type: ignore[override]
         if isinstance(model, DistributedDataParallel) and not getattr(model, "_commopt", False):
-            state = commopt.ddp.OnebitHookState(self.commopt_optimizer)
-            model.register_comm_hook(state, commopt.ddp.onebit_hook)
+            if isinstance(self.commopt_optimizer, commopt.DiLoCo):
+                model.register_comm_hook(None, noop_hook)  # inner steps stay local
+            else:
+                state = commopt.ddp.OnebitHookState(self.commopt_optimizer)
+                model.register_comm_hook(state, commopt.ddp.onebit_hook)
             model._commopt = True
         return super().training_step(model, inputs, num_items_in_batch)
 
 
 class LossLog(TrainerCallback):
-    def __init__(self) -> None:
+    def __init__(self, model: torch.nn.Module, sync_every: int = 0) -> None:
         self.losses: list[float] = []
+        self.model, self.sync_every = model, sync_every
+        self.differed_before_syncs: list[bool] = []
 
     def on_log(self, args, state, control, logs=None, **kwargs):  # type: ignore[override]
         if logs and "loss" in logs:
             self.losses.append(float(logs["loss"]))
+
+    def on_step_end(self, args, state, control, **kwargs):  # type: ignore[override]
+        if self.sync_every and (state.global_step + 1) % self.sync_every == 0:
+            self.differed_before_syncs.append(not _replicas_identical(self.model))
+
+
+def _replicas_identical(model: torch.nn.Module) -> bool:
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    if not dist.is_initialized():
+        return True
+    everyone = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, flat)
+    return all(torch.equal(everyone[0], t) for t in everyone)
 
 
 def main() -> None:
@@ -77,6 +106,7 @@ def main() -> None:
     parser.add_argument("--freeze-step", type=int, default=15)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--accumulation", type=int, default=1, help="backward passes per step")
+    parser.add_argument("--diloco", type=int, default=0, help="H: commopt.DiLoCo around AdamW")
     parser.add_argument("--out", default="hf-run")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -93,10 +123,13 @@ def main() -> None:
         attn_pdrop=0.0,
     )
     model = GPT2LMHeadModel(config)
-    opt = commopt.OnebitAdam(model.parameters(), lr=args.lr, freeze_step=args.freeze_step)
+    if args.diloco:
+        scheduled = torch.optim.AdamW(model.parameters(), lr=args.lr)  # DiLoCo's inner optimizer
+    else:
+        scheduled = commopt.OnebitAdam(model.parameters(), lr=args.lr, freeze_step=args.freeze_step)
     warmup = max(1, args.max_steps // 10)
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt,
+        scheduled,
         lambda t: min(1.0, (t + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * t / args.max_steps)),
     )
     training_args = TrainingArguments(
@@ -113,7 +146,9 @@ def main() -> None:
         seed=0,
         disable_tqdm=True,
     )
-    log = LossLog()
+    # collective: after TrainingArguments, which starts the process group under torchrun
+    opt = commopt.DiLoCo(scheduled, sync_every=args.diloco) if args.diloco else scheduled
+    log = LossLog(model, args.diloco)
     trainer = CommoptTrainer(
         model=model,
         args=training_args,
@@ -123,13 +158,10 @@ def main() -> None:
         commopt_optimizer=opt,
     )
     trainer.train()
+    if args.diloco:
+        opt.finish()  # a last sync of any steps since the last one: one model on every rank
 
-    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    identical = True
-    if dist.is_initialized():
-        everyone = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
-        dist.all_gather(everyone, flat)
-        identical = all(torch.equal(everyone[0], t) for t in everyone)
+    identical = _replicas_identical(model)
     if not dist.is_initialized() or dist.get_rank() == 0:
         os.makedirs(args.out, exist_ok=True)
         stats = opt.comm_stats()
@@ -140,6 +172,7 @@ def main() -> None:
                     "replicas_identical": identical,
                     "world_size": dist.get_world_size() if dist.is_initialized() else 1,
                     "comm_stats": {k: v for k, v in stats.items() if not isinstance(v, dict)},
+                    "differed_before_syncs": log.differed_before_syncs,
                 },
                 f,
                 indent=1,

@@ -4,11 +4,13 @@
 
 ``commopt.lightning.OnebitHookCallback`` registers ``commopt.ddp.onebit_hook`` on the model
 Lightning wrapped in DistributedDataParallel, paired with the optimizer ``configure_optimizers``
-returned. For each of OnebitAdam, OnebitLamb and ZeroOneAdam the same model is then trained
-again without Lightning, by the standalone optimizer (which communicates by itself), on the same
-data. Rank 0 writes ``result.json``: per optimizer the losses, ``comm_stats()``, whether the
-replicas are identical (0/1 Adam's are not between its sync steps, by design) and whether
-Lightning's weights equal the standalone optimizer's on every rank, bit for bit.
+returned; for ``commopt.DiLoCo`` (around AdamW, a sync every 5 steps) it registers torch's
+``noop_hook``, so that DDP leaves the inner steps' gradients local. For each optimizer the same
+model is then trained again without Lightning, by the standalone optimizer (which communicates
+by itself), on the same data. Rank 0 writes ``result.json``: per optimizer the losses,
+``comm_stats()``, whether the replicas are identical (0/1 Adam's are not between its sync
+steps, by design) and whether Lightning's weights equal the standalone optimizer's on every
+rank, bit for bit.
 """
 
 from __future__ import annotations
@@ -27,11 +29,15 @@ from torch.utils.data import DataLoader, TensorDataset
 import commopt
 from commopt.lightning import OnebitHookCallback
 
-OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
+OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer | commopt.DiLoCo]] = {
     "OnebitAdam": lambda params, freeze: commopt.OnebitAdam(params, lr=1e-2, freeze_step=freeze),
     "OnebitLamb": lambda params, freeze: commopt.OnebitLamb(params, lr=1e-2, freeze_step=freeze),
     "ZeroOneAdam": lambda params, freeze: commopt.ZeroOneAdam(
         params, lr=1e-2, var_freeze_step=freeze, local_step_scaler=4
+    ),
+    # the callback registers torch's noop_hook for it: local inner steps, a sync every 5
+    "DiLoCo": lambda params, freeze: commopt.DiLoCo(
+        torch.optim.AdamW(params, lr=1e-2), sync_every=5
     ),
 }
 
@@ -61,7 +67,7 @@ class Regression(pl.LightningModule):
         self.losses.append(float(loss.detach()))
         return loss
 
-    def configure_optimizers(self) -> torch.optim.Optimizer:
+    def configure_optimizers(self) -> torch.optim.Optimizer | commopt.DiLoCo:
         return OPTIMIZERS[self.name](self.parameters(), self.freeze)
 
 

@@ -40,3 +40,24 @@ def test_trainer_example_trains_on_two_ranks(tmp_path):
     # p.grad: one exchange per step, none redone. (In backward, the first one would be redone
     # once: tests/multirank/test_ddp_hook_after_backward_gloo.py.)
     assert stats["compressed_rounds"] == 20
+
+
+def test_trainer_example_with_diloco_keeps_the_inner_steps_local(tmp_path):
+    """``--diloco 10``: DiLoCo around AdamW under the Trainer's DDP model, with torch's noop_hook
+    so that DDP leaves the gradients local: the replicas differ before every sync and end as one
+    model, and the only traffic is DiLoCo's (the first 5 syncs at fp32 by default, then 1 bit)."""
+    result = run_example_under_torchrun(
+        EXAMPLE,
+        ["--max-steps", "80", "--diloco", "10"],
+        tmp_path,
+        env=dict(TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1"),
+    )
+    losses = result["losses"]
+    assert result["world_size"] == 2
+    assert len(losses) == 16  # logged every 5 steps
+    assert losses[-1] < 0.5 * losses[0], losses
+    assert result["differed_before_syncs"] == [True] * 8
+    assert result["replicas_identical"]
+    stats = result["comm_stats"]
+    assert (stats["steps"], stats["syncs"], stats["syncs_at_fp32"]) == (80, 8, 5)
+    assert 0 < stats["compressed_bits_per_parameter_per_step"] <= 1.05 * 2 / 10

@@ -19,7 +19,11 @@ def test_lightning_example_equals_standalone_for_each_optimizer(tmp_path):
     result = run_example_under_torchrun(EXAMPLE, ["--steps", "30", "--freeze-step", "10"], tmp_path)
     assert result["world_size"] == 2
     runs = result["optimizers"]
-    assert set(runs) == set(BY_NAME)
+    assert set(runs) == {*BY_NAME, "DiLoCo"}
+    diloco = runs.pop("DiLoCo")  # through the callback's noop_hook: local inner steps
+    assert diloco["equals_standalone"] and diloco["replicas_identical"]  # step 30 is a sync
+    assert diloco["losses"][-1] < diloco["losses"][0], diloco["losses"]
+    assert (diloco["comm_stats"]["steps"], diloco["comm_stats"]["syncs"]) == (30, 6)
     for name, run in runs.items():
         assert run["equals_standalone"], name  # on every rank, bit for bit
         assert len(run["losses"]) == 30, name
