@@ -16,12 +16,12 @@ backward pass of a step communicates. Rank 0 writes ``result.json`` (losses, the
 ``comm_stats()``, whether the replicas ended identical).
 
 With ``--diloco H`` the optimizer is ``commopt.DiLoCo`` around ``torch.optim.AdamW`` instead
-(the learning-rate schedule on the inner AdamW). Its inner steps must not communicate, so
-``CommoptTrainer`` registers torch's ``noop_hook`` on the DDP model: each rank keeps its own
-gradients, and every H steps DiLoCo averages the pseudo-gradient. DiLoCo is built after
-``TrainingArguments``, which starts the process group under ``torchrun``, since building it is
-collective. ``result.json`` then also says, for the step before each sync, whether the ranks'
-parameters differed (they must: the gradients stayed local).
+(the learning-rate schedule on DiLoCo sets the inner AdamW's lr). Its inner steps must not
+communicate, so ``CommoptTrainer`` registers torch's ``noop_hook`` on the DDP model: each rank
+keeps its own gradients, and every H steps DiLoCo averages the pseudo-gradient. DiLoCo is
+built after ``TrainingArguments``, which starts the process group under ``torchrun``, since
+building it is collective. ``result.json`` then also says, for the step before each sync,
+whether the ranks' parameters differed (they must: the gradients stayed local).
 """
 
 import argparse
@@ -123,15 +123,6 @@ def main() -> None:
         attn_pdrop=0.0,
     )
     model = GPT2LMHeadModel(config)
-    if args.diloco:
-        scheduled = torch.optim.AdamW(model.parameters(), lr=args.lr)  # DiLoCo's inner optimizer
-    else:
-        scheduled = commopt.OnebitAdam(model.parameters(), lr=args.lr, freeze_step=args.freeze_step)
-    warmup = max(1, args.max_steps // 10)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        scheduled,
-        lambda t: min(1.0, (t + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * t / args.max_steps)),
-    )
     training_args = TrainingArguments(
         output_dir=args.out,
         max_steps=args.max_steps,
@@ -146,8 +137,18 @@ def main() -> None:
         seed=0,
         disable_tqdm=True,
     )
-    # collective: after TrainingArguments, which starts the process group under torchrun
-    opt = commopt.DiLoCo(scheduled, sync_every=args.diloco) if args.diloco else scheduled
+    # after TrainingArguments, which starts the process group under torchrun: building DiLoCo
+    # is collective (OnebitAdam's first collective is in its first step)
+    if args.diloco:
+        inner = torch.optim.AdamW(model.parameters(), lr=args.lr)
+        opt = commopt.DiLoCo(inner, sync_every=args.diloco)
+    else:
+        opt = commopt.OnebitAdam(model.parameters(), lr=args.lr, freeze_step=args.freeze_step)
+    warmup = max(1, args.max_steps // 10)
+    sched = torch.optim.lr_scheduler.LambdaLR(  # on DiLoCo: it sets the inner AdamW's lr
+        opt,
+        lambda t: min(1.0, (t + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * t / args.max_steps)),
+    )
     log = LossLog(model, args.diloco)
     trainer = CommoptTrainer(
         model=model,

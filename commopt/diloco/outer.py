@@ -100,9 +100,14 @@ def default_fp32_syncs(compression: Compression, sync_every: int) -> int:
     return max(2, -(-FP32_START // sync_every)) if compression == "onebit" else 0
 
 
-class DiLoCo:
+class DiLoCo(torch.optim.Optimizer):
     r"""An outer loop around any ``torch.optim`` optimizer: H local steps, then one averaged
     outer step (module docstring).
+
+    It is a ``torch.optim.Optimizer`` the way torch's own ``PostLocalSGDOptimizer`` is: it wraps
+    the inner optimizer, whose ``param_groups``, ``state`` and ``defaults`` it shows as its own,
+    so learning-rate schedulers, HF Trainer and Lightning take it as any optimizer (a schedule
+    on it sets the inner optimizer's lr).
 
     Usage::
 
@@ -119,8 +124,8 @@ class DiLoCo:
 
     Args:
         inner: the inner optimizer (``torch.optim.*`` or commopt's own), over the model's
-            parameters; its state stays local to each worker, as in the paper. Attach learning
-            rate schedulers to it.
+            parameters; its state stays local to each worker, as in the paper. A learning-rate
+            scheduler attaches to it or to DiLoCo alike (DiLoCo's param_groups are its).
         sync_every: H, inner steps between two syncs of a fragment.
         compression: how Δ is averaged (:mod:`commopt.diloco.averages`): ``"onebit"``
             (error-compensated 1 bit, ≈ 2 bits per parameter per sync), ``"none"`` (fp32,
@@ -175,8 +180,11 @@ class DiLoCo:
         scale: Scale = "tensor",
         backend: Backend | None = None,
     ) -> None:
-        if not isinstance(inner, torch.optim.Optimizer):
-            raise TypeError(f"inner must be a torch.optim.Optimizer, got {type(inner).__name__}")
+        if not isinstance(inner, torch.optim.Optimizer) or isinstance(inner, DiLoCo):
+            raise TypeError(
+                "inner must be a torch.optim.Optimizer other than DiLoCo, got "
+                f"{type(inner).__name__}"
+            )
         check_choice("compression", compression, COMPRESSIONS)
         check_choice("topology", topology, OUTER_TOPOLOGIES)
         check_choice("scale", scale, SCALES)
@@ -296,6 +304,18 @@ class DiLoCo:
     def zero_grad(self, set_to_none: bool = True) -> None:
         """The inner optimizer's ``zero_grad``."""
         self.inner.zero_grad(set_to_none=set_to_none)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Refused: the anchors, fragments and error buffers are laid out over the parameters
+        DiLoCo was built with.
+
+        Raises:
+            ValueError: always; add the group to the inner optimizer before building DiLoCo.
+        """
+        raise ValueError(
+            "DiLoCo syncs the parameters its inner optimizer held when DiLoCo was built; add the "
+            "parameter group to the inner optimizer first, then build DiLoCo"
+        )
 
     def step(self, closure: Callable[[], float] | None = None) -> Any:
         """One inner step; then, on the fragments' sync steps, the outer step (module

@@ -68,6 +68,29 @@ def test_the_inner_optimizer_must_be_one_with_trainable_parameters() -> None:
         commopt.DiLoCo(torch.optim.SGD(model.parameters(), lr=0.1), sync_every=2)
 
 
+def test_it_is_a_torch_optimizer_that_schedulers_drive_and_that_refuses_new_groups() -> None:
+    """An LR scheduler on DiLoCo sets the inner optimizer's lr, as on the inner one itself;
+    its state dict goes round; a new parameter group and a DiLoCo inside are refused."""
+    model, opt = _make()
+    twin_model, twin = _make()
+    assert isinstance(opt, torch.optim.Optimizer)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=8)
+    twin_sched = torch.optim.lr_scheduler.CosineAnnealingLR(twin.inner, T_max=8)
+    for step in range(1, 7):
+        _train(model, opt, [step])
+        _train(twin_model, twin, [step])
+        sched.step()
+        twin_sched.step()
+    assert opt.param_groups[0]["lr"] == twin.inner.param_groups[0]["lr"] < 1e-2
+    pairs = zip(model.parameters(), twin_model.parameters(), strict=True)
+    assert all(torch.equal(a, b) for a, b in pairs)
+    opt.load_state_dict(opt.state_dict())
+    with pytest.raises(ValueError, match="add the parameter group to the inner optimizer first"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))]})
+    with pytest.raises(TypeError, match="other than DiLoCo, got DiLoCo"):
+        commopt.DiLoCo(opt, sync_every=2, backend=SingleProcessBackend())
+
+
 def test_fragments_are_contiguous_whole_tensors_of_about_equal_size() -> None:
     params = [torch.zeros(n) for n in (100, 10, 10, 80, 5, 95, 100)]
     for k in range(1, len(params) + 1):

@@ -94,7 +94,10 @@ def test_commopt_lightning_without_lightning_says_how_to_install(monkeypatch):
     import commopt
 
     monkeypatch.delitem(sys.modules, "commopt.lightning", raising=False)
-    monkeypatch.delattr(commopt, "lightning", raising=False)  # set by an earlier import
+    if "lightning" in vars(commopt):  # set by an earlier import (test collection, say)
+        # (not delattr(raising=False): its hasattr would import the submodule through
+        # commopt.__getattr__, Lightning still present, when no earlier import had)
+        monkeypatch.delattr(commopt, "lightning")
     monkeypatch.setitem(sys.modules, "lightning", None)  # "not installed"
     monkeypatch.setitem(sys.modules, "lightning.pytorch", None)
     with pytest.raises(ImportError, match=r"pip install 'commopt\[lightning\]'"):
