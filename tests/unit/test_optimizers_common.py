@@ -453,7 +453,8 @@ def test_a_normal_run_is_warning_free(info) -> None:
 def test_registry_covers_every_public_optimizer() -> None:
     public = {name for name in commopt.__all__ if isinstance(getattr(commopt, name), type)}
     optimizers = {n for n in public if issubclass(getattr(commopt, n), torch.optim.Optimizer)}
-    assert {info.name for info in OPTIMIZERS} == optimizers
+    # DiLoCo wraps another optimizer and has a matrix of its own (tests/diloco_matrix.py)
+    assert {info.name for info in OPTIMIZERS} == optimizers - {"DiLoCo"}
     for info in OPTIMIZERS:
         phases = info.phases()
         steps = sorted(t for ph in phases for t in ph.steps)
