@@ -7,15 +7,22 @@
 the commopt optimizer you built (not the wrapper). ``accelerator.accumulate`` runs DDP's
 ``no_sync()`` on every backward pass but the last of a step, so those communicate nothing.
 Rank 0 writes ``result.json`` (losses, ``comm_stats()``, whether the replicas are identical).
+
+With ``--diloco H`` the optimizer is ``commopt.DiLoCo`` around ``torch.optim.AdamW``, and the
+hook registered is torch's ``noop_hook``: the inner steps keep each rank's own gradients and
+DiLoCo averages the pseudo-gradient every H steps. (``result.json`` then also records whether
+DiLoCo warned that the ranks ran in lockstep, which they must not.)
 """
 
 import argparse
 import json
 import os
+import warnings
 
 import torch
 import torch.distributed as dist
 from accelerate import Accelerator
+from torch.distributed.algorithms.ddp_comm_hooks.debugging_hooks import noop_hook
 
 import commopt
 
@@ -25,6 +32,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--freeze-step", type=int, default=10)
     parser.add_argument("--accumulation", type=int, default=2)
+    parser.add_argument("--diloco", type=int, default=0, help="H: commopt.DiLoCo around AdamW")
     parser.add_argument("--out", default="acc-run")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -33,22 +41,29 @@ def main() -> None:
     torch.manual_seed(0)  # same weights and target everywhere; data differ by rank
     model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
     target = torch.randn(8, 1)
-    opt = commopt.OnebitAdam(model.parameters(), lr=1e-2, freeze_step=args.freeze_step)
+    if args.diloco:  # collective: after Accelerator(), which starts the process group
+        opt = commopt.DiLoCo(torch.optim.AdamW(model.parameters(), lr=1e-2), sync_every=args.diloco)
+    else:
+        opt = commopt.OnebitAdam(model.parameters(), lr=1e-2, freeze_step=args.freeze_step)
     model, wrapped = accelerator.prepare(model, opt)
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
-        model.register_comm_hook(commopt.ddp.OnebitHookState(opt), commopt.ddp.onebit_hook)
-
+        if args.diloco:
+            model.register_comm_hook(None, noop_hook)  # the inner steps stay local
+        else:
+            model.register_comm_hook(commopt.ddp.OnebitHookState(opt), commopt.ddp.onebit_hook)
     gen = torch.Generator().manual_seed(1 + accelerator.process_index)
-    losses = []
-    for _ in range(args.steps * args.accumulation):
-        x = torch.randn(16, 8, generator=gen)
-        with accelerator.accumulate(model):
-            loss = torch.nn.functional.mse_loss(model(x), x @ target)
-            accelerator.backward(loss)
-            wrapped.step()
-            wrapped.zero_grad()
-        if accelerator.sync_gradients:
-            losses.append(float(loss.detach()))
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        losses = []
+        for _ in range(args.steps * args.accumulation):
+            x = torch.randn(16, 8, generator=gen)
+            with accelerator.accumulate(model):
+                loss = torch.nn.functional.mse_loss(model(x), x @ target)
+                accelerator.backward(loss)
+                wrapped.step()
+                wrapped.zero_grad()
+            if accelerator.sync_gradients:
+                losses.append(float(loss.detach()))
 
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     identical, world = True, 1
@@ -67,6 +82,7 @@ def main() -> None:
                     "replicas_identical": identical,
                     "world_size": world,
                     "comm_stats": stats,
+                    "lockstep_warned": any("ran in lockstep" in str(w.message) for w in warned),
                 },
                 f,
                 indent=1,

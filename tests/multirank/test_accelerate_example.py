@@ -28,3 +28,20 @@ def test_accelerate_example_trains_on_two_ranks(tmp_path):
     assert stats["full_precision_rounds"] == 10
     assert stats["compressed_rounds"] == 20
     assert stats["skipped_steps"] == 0
+
+
+def test_accelerate_example_with_diloco_keeps_the_inner_steps_local(tmp_path):
+    """``--diloco 5``: DiLoCo around AdamW, torch's noop_hook on the prepared DDP model, steps
+    taken through the AcceleratedOptimizer (once per 2 backward passes): 30 inner steps, 6
+    syncs, one model at the end, and no lockstep warning (DDP averaged nothing)."""
+    result = run_example_under_torchrun(
+        EXAMPLE, ["--steps", "30", "--accumulation", "2", "--diloco", "5"], tmp_path
+    )
+    assert result["world_size"] == 2
+    losses = result["losses"]
+    assert len(losses) == 30
+    assert losses[-1] < 0.2 * losses[0], losses
+    assert result["replicas_identical"]  # step 30 is a sync
+    assert not result["lockstep_warned"]
+    stats = result["comm_stats"]
+    assert (stats["steps"], stats["syncs"]) == (30, 6)
