@@ -18,10 +18,11 @@ import warnings
 from collections.abc import Mapping
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from commopt.comm import Backend
 
-__all__ = ["LOCKSTEP_MESSAGE", "agree", "float_bits", "warn_if_in_lockstep"]
+__all__ = ["LOCKSTEP_MESSAGE", "agree", "check_shards", "float_bits", "warn_if_in_lockstep"]
 
 
 def float_bits(x: float) -> int:
@@ -85,3 +86,47 @@ def warn_if_in_lockstep(backend: Backend, delta: torch.Tensor) -> bool:
         warnings.warn(LOCKSTEP_MESSAGE.format(n=n), UserWarning, stacklevel=4)
         return True
     return False
+
+
+def check_shards(backend: Backend, params: list[torch.Tensor]) -> bool:
+    """Whether ``params`` are FSDP2 shards (DTensors), after checking that DiLoCo can average
+    them: all sharded over one 1-D mesh, and every rank of ``backend`` holding the same shard
+    (its replicate group), so that rank r's element k is rank s's element k. One all-gather of
+    two int64 per rank.
+
+    Raises:
+        ValueError: some parameters sharded and some not, a mesh that is not one 1-D mesh
+            (FSDP2's native HSDP all-reduces every gradient across the replicas), or ranks
+            of ``backend`` that hold different shards (the whole job's backend, say).
+    """
+    sharded = [isinstance(p, DTensor) for p in params]
+    if not any(sharded):
+        return False
+    if not all(sharded):
+        raise ValueError(
+            f"DiLoCo: {sharded.count(False)} of {len(params)} parameters are not FSDP2 shards; "
+            "shard the whole model (fully_shard) before building the inner optimizer"
+        )
+    meshes = {p.device_mesh for p in params}  # type: ignore[attr-defined]
+    mesh = meshes.pop() if len(meshes) == 1 else None
+    if mesh is None or mesh.ndim != 1:
+        raise ValueError(
+            "DiLoCo: the parameters must be sharded over one 1-D mesh, fully_shard(module, "
+            "mesh=mesh['shard']); FSDP2 on a 2-D mesh (its native HSDP) all-reduces every "
+            "gradient across the replicas, which would make every inner step a data-parallel one"
+        )
+    n = backend.world_size
+    mine = torch.tensor([mesh.get_local_rank(), mesh.size()], dtype=torch.int64)
+    rows = [mine.tolist()]
+    if n > 1:
+        table = torch.empty(2 * n, dtype=torch.int64)
+        backend.all_gather(table, mine)
+        rows = table.view(n, 2).tolist()
+    if any(row != rows[0] for row in rows):
+        shards = ", ".join(f"rank {r} shard {row[0]} of {row[1]}" for r, row in enumerate(rows))
+        raise ValueError(
+            f"DiLoCo: the ranks of its backend hold different FSDP2 shards ({shards}); "
+            "build it over the ranks that hold the same shard: "
+            "backend=commopt.TorchBackend(mesh.get_group('replicate'))"
+        )
+    return True

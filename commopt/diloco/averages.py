@@ -26,6 +26,7 @@ from __future__ import annotations
 from typing import Protocol
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from commopt.comm import Backend
 from commopt.compressed import NonFiniteError
@@ -38,6 +39,7 @@ __all__ = [
     "PseudoGradientAverage",
     "average_gradients_",
     "check_finite",
+    "local_shard",
 ]
 
 
@@ -56,6 +58,12 @@ class PseudoGradientAverage(Protocol):
     def average_(self, delta: torch.Tensor, state: dict[str, torch.Tensor]) -> None:
         """Replace ``delta`` (1-D fp32) by the mean over ranks, in place; ``state`` updated."""
         ...
+
+
+def local_shard(t: torch.Tensor) -> torch.Tensor:
+    """The part of ``t`` this rank holds: a DTensor's local tensor (an FSDP2 shard, which DiLoCo
+    averages with the ranks that hold the same shard), any other tensor itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def check_finite(backend: Backend, delta: torch.Tensor) -> None:
@@ -164,7 +172,7 @@ def average_gradients_(backend: Backend, params: list[torch.Tensor]) -> int:
             numbers of parameters (checked first, with one tiny all-reduce).
     """
     before = backend.stats.snapshot()
-    grads = [p.grad for p in params if p.grad is not None]
+    grads = [local_shard(p.grad) for p in params if p.grad is not None]
     count = torch.tensor([len(grads), -len(grads)], dtype=torch.int64)
     backend.all_reduce(count, "max")
     if int(count[0]) != -int(count[1]):

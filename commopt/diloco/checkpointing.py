@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from commopt.comm import Backend
-from commopt.diloco.averages import PseudoGradientAverage
+from commopt.diloco.averages import PseudoGradientAverage, local_shard
 from commopt.diloco.fragments import Fragment
 
 __all__ = ["Parts", "load_state_dict", "state_dict"]
@@ -122,12 +122,13 @@ def _check(own: Parts, sd: dict[str, Any]) -> bool:
     for frag in own.parts:
         for p in frag.params:
             entry = sd["state"].get(index[id(p)], {})
+            shape = local_shard(p).shape  # (an FSDP2 parameter's anchor is its shard's)
             for key, needed in ((_ANCHOR, True), (_MOMENTUM, frag.momentum is not None)):
                 t = entry.get(key)
-                if needed and (not isinstance(t, torch.Tensor) or t.shape != p.shape):
+                if needed and (not isinstance(t, torch.Tensor) or t.shape != shape):
                     raise ValueError(
                         f"DiLoCo.load_state_dict: parameter {index[id(p)]} has no {key} of shape "
-                        f"{tuple(p.shape)} (got {None if t is None else tuple(t.shape)})"
+                        f"{tuple(shape)} (got {None if t is None else tuple(t.shape)})"
                     )
     for item in comm.get("pending", []):
         frag = own.parts[item["fragment"]] if 0 <= item["fragment"] < len(own.parts) else None

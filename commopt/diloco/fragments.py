@@ -20,7 +20,7 @@ import itertools
 
 import torch
 
-from commopt.diloco.averages import PseudoGradientAverage
+from commopt.diloco.averages import PseudoGradientAverage, local_shard
 
 __all__ = ["Fragment", "first_sync_offsets", "split_parameters"]
 
@@ -68,10 +68,11 @@ class Fragment:
         per_tensor: bool,
     ) -> None:
         self.params = params
-        #: where each parameter starts in the flat buffers
-        self.offsets = [0, *itertools.accumulate(p.numel() for p in params)][:-1]
-        self.numel = sum(p.numel() for p in params)
-        device = params[0].device
+        shards = [local_shard(p) for p in params]  # (DTensors: this rank's FSDP2 shard)
+        #: where each parameter (its local shard) starts in the flat buffers
+        self.offsets = [0, *itertools.accumulate(t.numel() for t in shards)][:-1]
+        self.numel = sum(t.numel() for t in shards)
+        device = shards[0].device
         self.anchor = torch.zeros(self.numel, dtype=torch.float32, device=device)
         self.momentum = torch.zeros_like(self.anchor) if momentum else None
         self.delta = torch.zeros_like(self.anchor)
@@ -79,7 +80,7 @@ class Fragment:
         #: per tensor), or the whole fragment
         self.segments = [(0, self.numel)]
         if per_tensor:
-            self.segments = [(o, p.numel()) for o, p in zip(self.offsets, params, strict=True)]
+            self.segments = [(o, t.numel()) for o, t in zip(self.offsets, shards, strict=True)]
         #: the average's per-rank state (error buffers), one dict per segment
         self.states = [
             {
@@ -90,17 +91,15 @@ class Fragment:
         ]
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        """``flat`` cut into one view per parameter, shaped like it."""
-        return [
-            flat[o : o + p.numel()].view(p.shape)
-            for o, p in zip(self.offsets, self.params, strict=True)
-        ]
+        """``flat`` cut into one view per parameter (its local shard), shaped like it."""
+        shapes = [local_shard(p).shape for p in self.params]
+        return [flat[o : o + s.numel()].view(s) for o, s in zip(self.offsets, shapes, strict=True)]
 
     @torch.no_grad()
     def gather_params_(self, out: torch.Tensor) -> torch.Tensor:
         """Copy the parameters (any float dtype) into the fp32 buffer ``out``; returns it."""
         for view, p in zip(self.views(out), self.params, strict=True):
-            view.copy_(p)
+            view.copy_(local_shard(p))
         return out
 
     @torch.no_grad()
@@ -127,4 +126,4 @@ class Fragment:
     def load_params_(self) -> None:
         """θ ← θ̄."""
         for view, p in zip(self.views(self.anchor), self.params, strict=True):
-            p.copy_(view)
+            local_shard(p).copy_(view)

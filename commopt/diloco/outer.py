@@ -40,7 +40,7 @@ from commopt.choices import (
 from commopt.comm import Backend, resolve_backend
 from commopt.comm.channels import on_channel, open_channel
 from commopt.diloco import checkpointing
-from commopt.diloco.agreement import agree, float_bits, warn_if_in_lockstep
+from commopt.diloco.agreement import agree, check_shards, float_bits, warn_if_in_lockstep
 from commopt.diloco.averages import (
     Bf16Average,
     Fp32Average,
@@ -224,6 +224,13 @@ class DiLoCo(torch.optim.Optimizer):
         if not self._params:
             raise ValueError("DiLoCo: the inner optimizer has no parameter with requires_grad")
         agree(be, self.settings(), "DiLoCo")
+        #: FSDP2 parameters: this rank's shards, averaged over ``backend``, the replicate group
+        self.sharded = check_shards(be, self._params)
+        if self.sharded and topology == "hierarchical":
+            raise ValueError(
+                "DiLoCo: topology='hierarchical' with FSDP2 parameters; FSDP2's shard group "
+                "already is the island (its reduce-scatter averages the gradients inside it)"
+            )
 
         # The node level: hierarchical islands average every step inside the node, on a group
         # of their own (never the one a delayed sync may be using on the other thread).

@@ -1,0 +1,169 @@
+"""commopt.DiLoCo over FSDP2 shards, on a 2 × 2 (replicate, shard) mesh of forked gloo ranks.
+
+Each replica is one DiLoCo worker: FSDP2 shards it over the shard group, whose reduce-scatter
+averages the gradients inside the island at every inner step, and DiLoCo averages each shard's
+pseudo-gradient with the ranks holding the same shard (``backend`` over the replicate group).
+The same computation on whole parameters: DiLoCo over the replicate group, each rank taking
+its island's two batches at once. Close but not bit for bit: FSDP2 averages two gradients by a
+reduce-scatter where the reference differentiates the mean loss of both batches."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import commopt
+from tests.multirank.harness import run_ranks
+
+TIMEOUT = 240.0
+H, STEPS, D = 4, 12, 16
+
+
+def _mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(D, D), nn.Tanh(), nn.Linear(D, D), nn.Tanh(), nn.Linear(D, 4))
+
+
+def _sharded():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    model = _mlp()
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh["shard"])
+    fully_shard(model, mesh=mesh["shard"])
+    return model, mesh
+
+
+def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    x = torch.randn(8, D, generator=g) + 0.5 * rank  # every rank its own distribution
+    return x, x[:, :4].sin()
+
+
+def _step(model, opt, x, y) -> float:
+    loss = ((model(x) - y) ** 2).mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return float(loss.detach())
+
+
+def _against_whole(backend, compression, fp32_syncs=None):
+    """(largest difference to the whole-parameter run / its largest parameter, per step; the
+    shards bit-identical across replicas after every sync; first and last loss; sync bytes of
+    the sharded and the whole run)."""
+    del backend
+    rank = dist.get_rank()
+    model, mesh = _sharded()
+    replicate = commopt.TorchBackend(mesh.get_group("replicate"))
+    kw = dict(sync_every=H, compression=compression, fp32_syncs=fp32_syncs, backend=replicate)
+    opt = commopt.DiLoCo(torch.optim.AdamW(model.parameters(), lr=1e-2), **kw)
+    whole = _mlp()
+    whole_opt = commopt.DiLoCo(torch.optim.AdamW(whole.parameters(), lr=1e-2), **kw)
+    island = [rank - rank % 2, rank - rank % 2 + 1]  # the ranks of this rank's shard group
+    diffs, synced_equal, losses = [], [], []
+    for step in range(1, STEPS + 1):
+        losses.append(_step(model, opt, *_batch(rank, step)))
+        both = [_batch(r, step) for r in island]
+        _step(whole, whole_opt, torch.cat([b[0] for b in both]), torch.cat([b[1] for b in both]))
+        full = [p.full_tensor().detach() for p in model.parameters()]
+        ref = [p.detach() for p in whole.parameters()]
+        top = max(float(r.abs().max()) for r in ref)
+        diffs.append(max(float((f - r).abs().max()) for f, r in zip(full, ref, strict=True)) / top)
+        if step % H == 0:
+            local = torch.cat([p.to_local().detach().reshape(-1) for p in model.parameters()])
+            other = torch.empty(2 * local.numel())
+            replicate.all_gather(other, local)
+            synced_equal.append(torch.equal(other[: local.numel()], other[local.numel() :]))
+    sent = opt.comm_stats()["sync_bytes"], whole_opt.comm_stats()["sync_bytes"]
+    return diffs, synced_equal, (losses[0], losses[-1]), sent
+
+
+def test_fp32_diloco_on_shards_equals_it_on_whole_parameters_within_rounding() -> None:
+    for diffs, synced_equal, _, (sharded, whole) in run_ranks(
+        _against_whole, 4, "none", timeout=TIMEOUT
+    ):
+        assert max(diffs) < 1e-5, diffs
+        assert synced_equal == [True] * (STEPS // H)
+        assert sharded < 0.6 * whole  # each rank sends its shard: about half at S = 2
+
+
+def test_onebit_diloco_on_shards_keeps_replicas_identical_and_sends_a_shard() -> None:
+    """The first sync at fp32, the other two at 1 bit: each shard's exchange has its own scales,
+    so the numbers are not the whole run's, but the replicas are one model after every sync, it
+    learns, and each rank sends about its shard's share."""
+    for diffs, synced_equal, (first, last), (sharded, whole) in run_ranks(
+        _against_whole, 4, "onebit", 1, timeout=TIMEOUT
+    ):
+        assert max(diffs[:H]) < 1e-5 < diffs[-1]  # the 1-bit syncs are the shards' own
+        assert synced_equal == [True] * (STEPS // H)
+        assert last < 0.7 * first, (first, last)
+        assert sharded < 0.6 * whole
+
+
+def _refusals(backend):
+    del backend
+    model, mesh = _sharded()
+    errors = {}
+    cases = {
+        "whole job": dict(),
+        "hierarchical": dict(
+            backend=commopt.TorchBackend(mesh.get_group("replicate")), topology="hierarchical"
+        ),
+    }
+    for name, kw in cases.items():
+        try:
+            commopt.DiLoCo(torch.optim.AdamW(model.parameters()), sync_every=H, **kw)
+        except ValueError as err:
+            errors[name] = str(err)
+    return errors
+
+
+def test_the_wrong_group_or_topology_is_a_clear_error() -> None:
+    for errors in run_ranks(_refusals, 4, timeout=TIMEOUT):
+        assert "hold different FSDP2 shards" in errors["whole job"]
+        assert "rank 0 shard 0 of 2, rank 1 shard 1 of 2" in errors["whole job"]
+        assert "mesh.get_group('replicate')" in errors["whole job"]
+        assert "already is the island" in errors["hierarchical"]
+
+
+def _resume(backend):
+    """Train 14 steps; or 10, the state dict into a fresh DiLoCo, then 4 more: equal shards?"""
+    del backend
+    rank = dist.get_rank()
+
+    def build():
+        model, mesh = _sharded()
+        replicate = commopt.TorchBackend(mesh.get_group("replicate"))
+        inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        return model, commopt.DiLoCo(inner, sync_every=H, fp32_syncs=1, backend=replicate)
+
+    model, opt = build()
+    for step in range(1, 15):
+        _step(model, opt, *_batch(rank, step))
+    straight = [p.to_local().detach().clone() for p in model.parameters()]
+    model, opt = build()
+    for step in range(1, 11):  # mid-interval, with the errors of the 1-bit sync at step 8
+        _step(model, opt, *_batch(rank, step))
+    saved = opt.state_dict()
+    params = [p.to_local().detach().clone() for p in model.parameters()]
+    model, opt = build()
+    with torch.no_grad():
+        for p, v in zip(model.parameters(), params, strict=True):
+            p.to_local().copy_(v)
+    opt.load_state_dict(saved)
+    for step in range(11, 15):  # the 1-bit sync at 12 uses them
+        _step(model, opt, *_batch(rank, step))
+    return all(
+        torch.equal(a, p.to_local()) for a, p in zip(straight, model.parameters(), strict=True)
+    )
+
+
+def test_a_resume_from_the_state_dict_mid_interval_is_bit_exact() -> None:
+    """Per rank, in memory: the state dict holds the inner AdamW's sharded state, each shard's
+    anchor and this rank's error buffers."""
+    assert all(run_ranks(_resume, 4, timeout=TIMEOUT))
