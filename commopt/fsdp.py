@@ -43,6 +43,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from commopt.comm import Backend, MpiBackend, TorchBackend
+from commopt.diloco import DiLoCo
 from commopt.faults import watch_like
 from commopt.optim.base import CompressedOptimizer
 from commopt.sharding import Sharding
@@ -256,28 +257,38 @@ def set_optimizer_state_dict(
 
 
 def save_checkpoint(
-    path: str | os.PathLike[str], model: nn.Module, optimizer: CompressedOptimizer
+    path: str | os.PathLike[str], model: nn.Module, optimizer: CompressedOptimizer | DiLoCo
 ) -> None:
     """Save ``model`` (FSDP2's sharded state dict) and ``optimizer`` with DCP (collective)."""
     import torch.distributed.checkpoint as dcp
 
-    state = {"model": model.state_dict(), "optimizer": optimizer_state_dict(optimizer)}
+    if isinstance(optimizer, DiLoCo):
+        state = _diloco_state_dict(model, optimizer)
+    else:
+        state = {"model": model.state_dict(), "optimizer": optimizer_state_dict(optimizer)}
     dcp.save(state, checkpoint_id=os.fspath(path))
 
 
 def load_checkpoint(
-    path: str | os.PathLike[str], model: nn.Module, optimizer: CompressedOptimizer
+    path: str | os.PathLike[str], model: nn.Module, optimizer: CompressedOptimizer | DiLoCo
 ) -> None:
     """Load what :func:`save_checkpoint` wrote, at this mesh (collective).
 
     At the same mesh the resume is bit-exact. At another shard size DCP reshards the
     parameters and the optimizer's moments; the exchange buffers, which belong to one rank of
     one layout, start from zero (one warning), as for a world-size change without FSDP.
+    A :class:`~commopt.DiLoCo` resumes at the same mesh only.
+
+    Raises:
+        ValueError: a DiLoCo checkpoint saved at another mesh (nothing is loaded).
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
     path = os.fspath(path)
+    if isinstance(optimizer, DiLoCo):
+        _load_diloco(path, model, optimizer)
+        return
     state = {"model": model.state_dict(), "optimizer": optimizer_state_dict(optimizer)}
     saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     _add_saved_keys(state["optimizer"], optimizer, saved)
@@ -290,16 +301,23 @@ def load_checkpoint(
     set_optimizer_state_dict(optimizer, state["optimizer"], exchange_loaded=here)
 
 
-def _add_saved_keys(template: dict[str, Any], optimizer: CompressedOptimizer, saved: Any) -> None:
-    """Give ``template`` a place for every per-parameter state the checkpoint has and it lacks
-    (state allocated on first use, such as 0/1 Adam's ``p_sync``): DCP loads only what the
-    template names, and would drop the rest without a word."""
+def _add_saved_keys(
+    template: dict[str, Any],
+    optimizer: CompressedOptimizer | DiLoCo,
+    saved: Any,
+    prefix: tuple[str, ...] = ("optimizer", "state"),
+) -> None:
+    """Give ``template`` a place for every per-parameter state the checkpoint has under
+    ``prefix`` and it lacks (state allocated on first use, such as 0/1 Adam's ``p_sync`` or
+    AdamW's moments): DCP loads only what the template names, and would drop the rest without
+    a word."""
     params = [p for g in optimizer.param_groups for p in g["params"]]
+    n = len(prefix)
     for fqn, meta in saved.items():
         parts = fqn.split(".")
-        if parts[:2] != ["optimizer", "state"] or len(parts) != 4 or not parts[2].isdigit():
+        if tuple(parts[:n]) != prefix or len(parts) != n + 2 or not parts[n].isdigit():
             continue
-        index, key = int(parts[2]), parts[3]
+        index, key = int(parts[n]), parts[n + 1]
         entry = template["state"].setdefault(index, {})
         if key in entry or index >= len(params):
             continue
@@ -312,6 +330,64 @@ def _add_saved_keys(template: dict[str, Any], optimizer: CompressedOptimizer, sa
             entry[key] = _as_dtensor(torch.zeros(local.shape, dtype=torch.float32), p)
 
 
+def _diloco_key() -> str:
+    return f"diloco_rank{dist.get_rank()}_of{dist.get_world_size()}"
+
+
+def _diloco_state_dict(model: nn.Module, optimizer: DiLoCo) -> dict[str, Any]:
+    """The model and DiLoCo for DCP. Between syncs each replica's parameters and inner state are
+    its own, so they go under ``"replica<i>"``: DCP would otherwise keep one replica's copy of
+    what it takes for replicated shards. The anchors (and outer momentum), the same on every
+    replica, are shared, as DTensors like their parameters; this rank's own part (error
+    buffers, step, a sync in flight) is one leaf under ``"ranks"/<rank>``. Shares storage with
+    the model's and DiLoCo's tensors."""
+    sd = optimizer.state_dict()
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    shared: dict[int, dict[str, Any]] = {}
+    own: dict[int, dict[str, Any]] = {}
+    for i, entry in sd["state"].items():
+        for k, v in entry.items():
+            part = shared if k.startswith("diloco_") else own  # the anchor, the outer momentum
+            part.setdefault(i, {})[k] = _as_dtensor(v, params[i])
+    return {
+        f"replica{optimizer.backend.rank}": {
+            "model": model.state_dict(),
+            "inner": {"state": own, "param_groups": (sd["param_groups"],)},
+        },
+        "outer": {"state": shared},
+        "ranks": {_diloco_key(): (sd["commopt"],)},
+    }
+
+
+def _load_diloco(path: str, model: nn.Module, optimizer: DiLoCo) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    state = _diloco_state_dict(model, optimizer)
+    replica = f"replica{optimizer.backend.rank}"
+    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    if f"ranks.{_diloco_key()}" not in saved:
+        raise ValueError(
+            f"commopt.fsdp.load_checkpoint: {path} holds no DiLoCo part for rank "
+            f"{dist.get_rank()} of {dist.get_world_size()}; DiLoCo on FSDP2 resumes at the mesh "
+            "it was saved at"
+        )
+    # the inner state is made on the first step: give it a place to load into
+    _add_saved_keys(state[replica]["inner"], optimizer, saved, (replica, "inner", "state"))
+    dcp.load(state, checkpoint_id=path)
+    model.load_state_dict(state[replica]["model"])
+    inner = state[replica]["inner"]
+    merged = {i: dict(e) for i, e in inner["state"].items()}
+    for i, entry in state["outer"]["state"].items():
+        merged.setdefault(i, {}).update(entry)
+    optimizer.load_state_dict(
+        {
+            "state": merged,
+            "param_groups": inner["param_groups"][0],
+            "commopt": state["ranks"][_diloco_key()][0],
+        }
+    )
+
+
 def _rank_key(optimizer: CompressedOptimizer) -> str:
     """This rank's key among the per-rank entries: its layout (replicas × shards, position)."""
     sharding = optimizer.sharding
@@ -322,6 +398,8 @@ def _rank_key(optimizer: CompressedOptimizer) -> str:
 def _as_dtensor(value: Any, p: torch.Tensor) -> Any:
     """A state tensor shaped like ``p``'s shard, as a DTensor like ``p`` (others unchanged)."""
     if not isinstance(p, DTensor) or not torch.is_tensor(value) or value.dim() == 0:
+        return value
+    if isinstance(value, DTensor):  # (an inner torch optimizer's state on FSDP2 parameters)
         return value
     return DTensor.from_local(
         value, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()

@@ -125,6 +125,7 @@ def _check(own: Parts, sd: dict[str, Any]) -> bool:
             shape = local_shard(p).shape  # (an FSDP2 parameter's anchor is its shard's)
             for key, needed in ((_ANCHOR, True), (_MOMENTUM, frag.momentum is not None)):
                 t = entry.get(key)
+                t = local_shard(t) if isinstance(t, torch.Tensor) else t  # (a DTensor from DCP)
                 if needed and (not isinstance(t, torch.Tensor) or t.shape != shape):
                     raise ValueError(
                         f"DiLoCo.load_state_dict: parameter {index[id(p)]} has no {key} of shape "
@@ -190,9 +191,9 @@ def load_state_dict(own: Parts, sd: dict[str, Any]) -> None:
         for frag in own.parts:
             for j, (p, anchor) in enumerate(zip(frag.params, frag.views(frag.anchor), strict=True)):
                 entry = sd["state"][index[id(p)]]
-                anchor.copy_(entry[_ANCHOR])
+                anchor.copy_(local_shard(entry[_ANCHOR]))
                 if frag.momentum is not None:
-                    frag.views(frag.momentum)[j].copy_(entry[_MOMENTUM])
+                    frag.views(frag.momentum)[j].copy_(local_shard(entry[_MOMENTUM]))
     own.progress.step = int(comm["step"])
     own.progress.syncs = int(comm.get("syncs", 0))
     own.progress.fp32_syncs_run = int(comm.get("fp32_syncs_run", 0))

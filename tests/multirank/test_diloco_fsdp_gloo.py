@@ -167,3 +167,59 @@ def test_a_resume_from_the_state_dict_mid_interval_is_bit_exact() -> None:
     """Per rank, in memory: the state dict holds the inner AdamW's sharded state, each shard's
     anchor and this rank's error buffers."""
     assert all(run_ranks(_resume, 4, timeout=TIMEOUT))
+
+
+def _dcp(backend, path):
+    """As _resume, through commopt.fsdp.save_checkpoint / load_checkpoint (DCP, on disk)."""
+    import commopt.fsdp
+
+    del backend
+    rank = dist.get_rank()
+
+    def build():
+        model, mesh = _sharded()
+        replicate = commopt.TorchBackend(mesh.get_group("replicate"))
+        inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        return model, commopt.DiLoCo(inner, sync_every=H, fp32_syncs=1, backend=replicate)
+
+    model, opt = build()
+    for step in range(1, 15):
+        _step(model, opt, *_batch(rank, step))
+    straight = [p.to_local().detach().clone() for p in model.parameters()]
+    model, opt = build()
+    for step in range(1, 11):
+        _step(model, opt, *_batch(rank, step))
+    commopt.fsdp.save_checkpoint(path, model, opt)
+    model, opt = build()
+    commopt.fsdp.load_checkpoint(path, model, opt)
+    for step in range(11, 15):
+        _step(model, opt, *_batch(rank, step))
+    return all(
+        torch.equal(a, p.to_local()) for a, p in zip(straight, model.parameters(), strict=True)
+    )
+
+
+def _other_mesh(backend, path):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import commopt.fsdp
+
+    del backend
+    mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))
+    model = _mlp()
+    fully_shard(model, mesh=mesh["shard"])
+    replicate = commopt.TorchBackend(mesh.get_group("replicate"))
+    opt = commopt.DiLoCo(torch.optim.AdamW(model.parameters()), sync_every=H, backend=replicate)
+    try:
+        commopt.fsdp.load_checkpoint(path, model, opt)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def test_a_dcp_resume_is_bit_exact_and_another_mesh_is_refused(tmp_path) -> None:
+    path = str(tmp_path / "ckpt")
+    assert all(run_ranks(_dcp, 4, path, timeout=TIMEOUT))
+    for message in run_ranks(_other_mesh, 2, path, timeout=TIMEOUT):
+        assert message is not None and "resumes at the mesh it was saved at" in message
