@@ -266,6 +266,15 @@ def save_checkpoint(
         state = _diloco_state_dict(model, optimizer)
     else:
         state = {"model": model.state_dict(), "optimizer": optimizer_state_dict(optimizer)}
+        if not _replicas_agree(model, optimizer):
+            # (0/1 Adam between syncs) DCP keeps one copy of what it takes for replicated
+            # shards; each replica's own parameters and state are written apart as well
+            state["replicas"] = {
+                _replica_key(optimizer): {
+                    "model": model.state_dict(),
+                    "state": optimizer_state_dict(optimizer)["state"],
+                }
+            }
     dcp.save(state, checkpoint_id=os.fspath(path))
 
 
@@ -291,12 +300,31 @@ def load_checkpoint(
         return
     state = {"model": model.state_dict(), "optimizer": optimizer_state_dict(optimizer)}
     saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-    _add_saved_keys(state["optimizer"], optimizer, saved)
+    own = f"replicas.{_replica_key(optimizer)}."
+    if any(k.startswith(own) for k in saved):  # saved while the replicas differed, this mesh
+        # this replica's own copies, instead of the shared ones (which are one replica's)
+        state["replicas"] = {_replica_key(optimizer): {"model": state.pop("model")}}
+        mine = state["replicas"][_replica_key(optimizer)]
+        mine["state"] = state["optimizer"].pop("state")
+        _add_saved_keys(mine, optimizer, saved, ("replicas", _replica_key(optimizer), "state"))
+    else:
+        if any(k.startswith("replicas.") for k in saved):
+            warnings.warn(
+                f"{type(optimizer).__name__}: the replicas differed when {path} was saved "
+                "(0/1 Adam between syncs) and it was saved at another mesh; every replica "
+                "resumes from one replica's parameters and state",
+                stacklevel=2,
+            )
+        _add_saved_keys(state["optimizer"], optimizer, saved)
     prefix = f"optimizer.ranks.{_rank_key(optimizer)}."
     here = any(k.startswith(prefix) for k in saved)
     if not here:
         state["optimizer"]["ranks"] = {}
-    dcp.load(state, checkpoint_id=path, planner=DefaultLoadPlanner(allow_partial_load=not here))
+    partial = not here or "replicas" in state
+    dcp.load(state, checkpoint_id=path, planner=DefaultLoadPlanner(allow_partial_load=partial))
+    if "replicas" in state:
+        mine = state["replicas"][_replica_key(optimizer)]
+        state["model"], state["optimizer"]["state"] = mine["model"], mine["state"]
     model.load_state_dict(state["model"])
     set_optimizer_state_dict(optimizer, state["optimizer"], exchange_loaded=here)
 
@@ -386,6 +414,37 @@ def _load_diloco(path: str, model: nn.Module, optimizer: DiLoCo) -> None:
             "commopt": state["ranks"][_diloco_key()][0],
         }
     )
+
+
+def _replica_key(optimizer: CompressedOptimizer) -> str:
+    """This rank's replica among R: ``"r<i>_of<R>"``."""
+    sharding = optimizer.sharding
+    if sharding is None:
+        return "r0_of1"
+    return f"r{sharding.replicate.rank}_of{sharding.replicate.world_size}"
+
+
+def _replicas_agree(model: nn.Module, optimizer: CompressedOptimizer) -> bool:
+    """Whether every replica holds the same bits in its shards of the parameters and of the
+    optimizer's per-parameter state (collective over the replicate group: one all-gather of a
+    digest, the sums of the elements' bit patterns)."""
+    sharding = optimizer.sharding
+    if sharding is None or sharding.replicate.world_size == 1:
+        return True
+    tensors = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()]
+    for entry in optimizer.state_dict()["state"].values():
+        tensors += [v.to_local() if isinstance(v, DTensor) else v for v in entry.values()]
+    sums = [
+        t.detach().contiguous().view(-1).view(torch.uint8).sum(dtype=torch.int64)
+        for t in tensors
+        if torch.is_tensor(t) and t.numel() > 0
+    ]
+    mine = torch.stack(sums) if sums else torch.zeros(1, dtype=torch.int64)
+    n = sharding.replicate.world_size
+    everyone = torch.empty(n * mine.numel(), dtype=torch.int64, device=mine.device)
+    sharding.replicate.all_gather(everyone, mine)
+    rows = everyone.view(n, -1)
+    return bool((rows == rows[0]).all())
 
 
 def _rank_key(optimizer: CompressedOptimizer) -> str:

@@ -215,6 +215,45 @@ def test_dcp_resume_is_bit_exact_and_reshards_the_moments(info) -> None:
         assert len(messages) == 1 and "start from zero" in messages[0]
 
 
+def _resume_between_syncs(backend, path):
+    """0/1 Adam saved at its first local step, when the replicas' shards differ: (the replicas
+    differed at the save, the resumed run equals the straight one bit for bit)."""
+    import commopt.fsdp
+
+    del backend
+    info = BY_NAME["ZeroOneAdam"]
+    local = [s for ph in info.phases(STEPS, backward=True) if not ph.communicates for s in ph.steps]
+    k = min(local)
+
+    def build():
+        model, mesh = _sharded(_mlp((D, D, D), bias=True), 2, 2)
+        opt = info.make(list(model.parameters()), backward=True)
+        return model, opt, commopt.fsdp.attach(model, opt, mesh)
+
+    model, opt, sharding = build()
+    for step in range(1, k + 1):
+        _train_step(model, opt, step)
+    differed = not _same_across_replicas(model, sharding)
+    commopt.fsdp.save_checkpoint(path, model, opt)
+    for step in range(k + 1, STEPS + 1):
+        _train_step(model, opt, step)
+    straight = _gathered(model)
+    model, opt, _ = build()
+    commopt.fsdp.load_checkpoint(path, model, opt)
+    for step in range(k + 1, STEPS + 1):
+        _train_step(model, opt, step)
+    return differed, all(torch.equal(a, b) for a, b in zip(straight, _gathered(model), strict=True))
+
+
+def test_dcp_resume_between_zero_one_adam_syncs_is_bit_exact() -> None:
+    """Between 0/1 Adam's syncs each replica's shards are its own; DCP keeps one copy of what it
+    takes for replicated shards, so commopt.fsdp writes each replica's apart (it resumed every
+    replica from one replica's copy before)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        results = run_ranks(_resume_between_syncs, 4, os.path.join(tmp, "ckpt"), timeout=TIMEOUT)
+    assert results == [(True, True)] * 4
+
+
 def _ragged(backend, name: str, overrides: dict):
     """Shards of unequal length, and empty ones (a 1-row weight on 2 shards), in buckets capped
     at 200 elements; attached without the mesh."""
