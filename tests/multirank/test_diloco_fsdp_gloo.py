@@ -131,46 +131,10 @@ def test_the_wrong_group_or_topology_is_a_clear_error() -> None:
         assert "already is the island" in errors["hierarchical"]
 
 
-def _resume(backend):
-    """Train 14 steps; or 10, the state dict into a fresh DiLoCo, then 4 more: equal shards?"""
-    del backend
-    rank = dist.get_rank()
-
-    def build():
-        model, mesh = _sharded()
-        replicate = commopt.TorchBackend(mesh.get_group("replicate"))
-        inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        return model, commopt.DiLoCo(inner, sync_every=H, fp32_syncs=1, backend=replicate)
-
-    model, opt = build()
-    for step in range(1, 15):
-        _step(model, opt, *_batch(rank, step))
-    straight = [p.to_local().detach().clone() for p in model.parameters()]
-    model, opt = build()
-    for step in range(1, 11):  # mid-interval, with the errors of the 1-bit sync at step 8
-        _step(model, opt, *_batch(rank, step))
-    saved = opt.state_dict()
-    params = [p.to_local().detach().clone() for p in model.parameters()]
-    model, opt = build()
-    with torch.no_grad():
-        for p, v in zip(model.parameters(), params, strict=True):
-            p.to_local().copy_(v)
-    opt.load_state_dict(saved)
-    for step in range(11, 15):  # the 1-bit sync at 12 uses them
-        _step(model, opt, *_batch(rank, step))
-    return all(
-        torch.equal(a, p.to_local()) for a, p in zip(straight, model.parameters(), strict=True)
-    )
-
-
-def test_a_resume_from_the_state_dict_mid_interval_is_bit_exact() -> None:
-    """Per rank, in memory: the state dict holds the inner AdamW's sharded state, each shard's
-    anchor and this rank's error buffers."""
-    assert all(run_ranks(_resume, 4, timeout=TIMEOUT))
-
-
-def _dcp(backend, path):
-    """As _resume, through commopt.fsdp.save_checkpoint / load_checkpoint (DCP, on disk)."""
+def _resume(backend, path):
+    """Train 14 steps; or 10, then a fresh model and DiLoCo restored, then 4 more: equal shards?
+    ``path`` None: through ``state_dict()`` in memory (per rank); else through
+    ``commopt.fsdp.save_checkpoint`` / ``load_checkpoint`` (DCP, on disk)."""
     import commopt.fsdp
 
     del backend
@@ -187,16 +151,31 @@ def _dcp(backend, path):
         _step(model, opt, *_batch(rank, step))
     straight = [p.to_local().detach().clone() for p in model.parameters()]
     model, opt = build()
-    for step in range(1, 11):
+    for step in range(1, 11):  # mid-interval, with the errors of the 1-bit sync at step 8
         _step(model, opt, *_batch(rank, step))
-    commopt.fsdp.save_checkpoint(path, model, opt)
-    model, opt = build()
-    commopt.fsdp.load_checkpoint(path, model, opt)
-    for step in range(11, 15):
+    if path is None:
+        saved = opt.state_dict()
+        params = [p.to_local().detach().clone() for p in model.parameters()]
+        model, opt = build()
+        with torch.no_grad():
+            for p, v in zip(model.parameters(), params, strict=True):
+                p.to_local().copy_(v)
+        opt.load_state_dict(saved)
+    else:
+        commopt.fsdp.save_checkpoint(path, model, opt)
+        model, opt = build()
+        commopt.fsdp.load_checkpoint(path, model, opt)
+    for step in range(11, 15):  # the 1-bit sync at 12 uses them
         _step(model, opt, *_batch(rank, step))
     return all(
         torch.equal(a, p.to_local()) for a, p in zip(straight, model.parameters(), strict=True)
     )
+
+
+def test_a_resume_from_the_state_dict_mid_interval_is_bit_exact() -> None:
+    """Per rank, in memory: the state dict holds the inner AdamW's sharded state, each shard's
+    anchor and this rank's error buffers."""
+    assert all(run_ranks(_resume, 4, None, timeout=TIMEOUT))
 
 
 def _other_mesh(backend, path):
@@ -220,6 +199,6 @@ def _other_mesh(backend, path):
 
 def test_a_dcp_resume_is_bit_exact_and_another_mesh_is_refused(tmp_path) -> None:
     path = str(tmp_path / "ckpt")
-    assert all(run_ranks(_dcp, 4, path, timeout=TIMEOUT))
+    assert all(run_ranks(_resume, 4, path, timeout=TIMEOUT))
     for message in run_ranks(_other_mesh, 2, path, timeout=TIMEOUT):
         assert message is not None and "resumes at the mesh it was saved at" in message
