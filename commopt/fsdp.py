@@ -27,7 +27,9 @@ all-reduce of the shard), and the result is the same average.
 
 Checkpoints: :func:`save_checkpoint` / :func:`load_checkpoint` write and read the model and
 optimizer through ``torch.distributed.checkpoint`` (DCP), the state sharded like the
-parameters (:func:`optimizer_state_dict`).
+parameters (:func:`optimizer_state_dict`). DCP writes one copy of what it takes for a replicated
+shard, so where the replicas differ (0/1 Adam between syncs; :class:`~commopt.DiLoCo` between
+syncs, which needs no :func:`attach`: docs/fsdp.md) each replica's own is written apart.
 """
 
 from __future__ import annotations

@@ -5,7 +5,9 @@ averages the gradients inside the island at every inner step, and DiLoCo average
 pseudo-gradient with the ranks holding the same shard (``backend`` over the replicate group).
 The same computation on whole parameters: DiLoCo over the replicate group, each rank taking
 its island's two batches at once. Close but not bit for bit: FSDP2 averages two gradients by a
-reduce-scatter where the reference differentiates the mean loss of both batches."""
+reduce-scatter where the reference differentiates the mean loss of both batches. Also: the
+refusals of a wrong group or topology, and a resume mid-interval from the state dict in memory
+and through DCP (commopt.fsdp.save_checkpoint), bit-exact."""
 
 from __future__ import annotations
 
