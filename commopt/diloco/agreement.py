@@ -38,14 +38,10 @@ def agree(backend: Backend, fields: Mapping[str, int], what: str) -> None:
         fields: setting name → integer value (floats through :func:`float_bits`).
         what: the object being built, for the message.
     """
-    n = backend.world_size
-    if n == 1:
+    if backend.world_size == 1:
         return
     names = list(fields)
-    mine = torch.tensor([int(fields[k]) for k in names], dtype=torch.int64)
-    table = torch.empty(n * len(names), dtype=torch.int64)
-    backend.all_gather(table, mine)
-    rows = table.view(n, len(names)).tolist()
+    rows = _rows(backend, torch.tensor([int(fields[k]) for k in names], dtype=torch.int64))
     differ = [i for i, k in enumerate(names) if len({row[i] for row in rows}) > 1]
     if differ:
         detail = "; ".join(
@@ -56,6 +52,17 @@ def agree(backend: Backend, fields: Mapping[str, int], what: str) -> None:
             f"{what}: the ranks were built with different settings ({detail}); every rank must "
             "pass the same ones (floats are compared by their bits)"
         )
+
+
+def _rows(backend: Backend, mine: torch.Tensor) -> list[list[int]]:
+    """Every rank's ``mine`` (1-D int64, the same length everywhere), in rank order: one
+    all-gather on ``mine``'s device (none for one rank)."""
+    n = backend.world_size
+    if n == 1:
+        return [mine.tolist()]
+    table = torch.empty(n * mine.numel(), dtype=torch.int64, device=mine.device)
+    backend.all_gather(table, mine)
+    return table.view(n, -1).tolist()
 
 
 #: the warning of :func:`warn_if_in_lockstep` (``{n}``: the number of ranks)
@@ -78,10 +85,10 @@ def warn_if_in_lockstep(backend: Backend, delta: torch.Tensor) -> bool:
     if n == 1:
         return False
     bits = delta.view(torch.int32)
-    mine = torch.stack([bits.sum(dtype=torch.int64), torch.count_nonzero(bits).to(torch.int64)])
-    table = torch.empty(2 * n, dtype=torch.int64, device=delta.device)
-    backend.all_gather(table, mine)
-    rows = table.view(n, 2).tolist()
+    rows = _rows(
+        backend,
+        torch.stack([bits.sum(dtype=torch.int64), torch.count_nonzero(bits).to(torch.int64)]),
+    )
     if rows[0][1] > 0 and all(row == rows[0] for row in rows):
         warnings.warn(LOCKSTEP_MESSAGE.format(n=n), UserWarning, stacklevel=4)
         return True
@@ -115,13 +122,7 @@ def check_shards(backend: Backend, params: list[torch.Tensor]) -> bool:
             "mesh=mesh['shard']); FSDP2 on a 2-D mesh (its native HSDP) all-reduces every "
             "gradient across the replicas, which would make every inner step a data-parallel one"
         )
-    n = backend.world_size
-    mine = torch.tensor([mesh.get_local_rank(), mesh.size()], dtype=torch.int64)
-    rows = [mine.tolist()]
-    if n > 1:
-        table = torch.empty(2 * n, dtype=torch.int64)
-        backend.all_gather(table, mine)
-        rows = table.view(n, 2).tolist()
+    rows = _rows(backend, torch.tensor([mesh.get_local_rank(), mesh.size()], dtype=torch.int64))
     if any(row != rows[0] for row in rows):
         shards = ", ".join(f"rank {r} shard {row[0]} of {row[1]}" for r, row in enumerate(rows))
         raise ValueError(
