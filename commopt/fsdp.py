@@ -268,15 +268,11 @@ def save_checkpoint(
         state = _diloco_state_dict(model, optimizer)
     else:
         state = {"model": model.state_dict(), "optimizer": optimizer_state_dict(optimizer)}
-        if not _replicas_agree(model, optimizer):
+        own = {"model": state["model"], "state": state["optimizer"]["state"]}
+        if not _replicas_agree(optimizer, own):
             # (0/1 Adam between syncs) DCP keeps one copy of what it takes for replicated
             # shards; each replica's own parameters and state are written apart as well
-            state["replicas"] = {
-                _replica_key(optimizer): {
-                    "model": model.state_dict(),
-                    "state": optimizer_state_dict(optimizer)["state"],
-                }
-            }
+            state["replicas"] = {_replica_key(optimizer): own}
     dcp.save(state, checkpoint_id=os.fspath(path))
 
 
@@ -302,13 +298,12 @@ def load_checkpoint(
         return
     state = {"model": model.state_dict(), "optimizer": optimizer_state_dict(optimizer)}
     saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-    own = f"replicas.{_replica_key(optimizer)}."
-    if any(k.startswith(own) for k in saved):  # saved while the replicas differed, this mesh
+    replica = _replica_key(optimizer)
+    if any(k.startswith(f"replicas.{replica}.") for k in saved):  # replicas differed, this mesh
         # this replica's own copies, instead of the shared ones (which are one replica's)
-        state["replicas"] = {_replica_key(optimizer): {"model": state.pop("model")}}
-        mine = state["replicas"][_replica_key(optimizer)]
-        mine["state"] = state["optimizer"].pop("state")
-        _add_saved_keys(mine, optimizer, saved, ("replicas", _replica_key(optimizer), "state"))
+        mine = {"model": state.pop("model"), "state": state["optimizer"].pop("state")}
+        state["replicas"] = {replica: mine}
+        _add_saved_keys(mine, optimizer, saved, ("replicas", replica, "state"))
     else:
         if any(k.startswith("replicas.") for k in saved):
             warnings.warn(
@@ -325,7 +320,7 @@ def load_checkpoint(
     partial = not here or "replicas" in state
     dcp.load(state, checkpoint_id=path, planner=DefaultLoadPlanner(allow_partial_load=partial))
     if "replicas" in state:
-        mine = state["replicas"][_replica_key(optimizer)]
+        mine = state["replicas"][replica]
         state["model"], state["optimizer"]["state"] = mine["model"], mine["state"]
     model.load_state_dict(state["model"])
     set_optimizer_state_dict(optimizer, state["optimizer"], exchange_loaded=here)
@@ -426,16 +421,18 @@ def _replica_key(optimizer: CompressedOptimizer) -> str:
     return f"r{sharding.replicate.rank}_of{sharding.replicate.world_size}"
 
 
-def _replicas_agree(model: nn.Module, optimizer: CompressedOptimizer) -> bool:
-    """Whether every replica holds the same bits in its shards of the parameters and of the
-    optimizer's per-parameter state (collective over the replicate group: one all-gather of a
-    digest, the sums of the elements' bit patterns)."""
+def _replicas_agree(optimizer: CompressedOptimizer, own: dict[str, Any]) -> bool:
+    """Whether every replica holds the same bits in its shards of ``own``: the model's and the
+    optimizer's per-parameter state, as :func:`save_checkpoint` is about to write them
+    (collective over the replicate group: one all-gather of a digest, the sums of the
+    elements' bit patterns)."""
     sharding = optimizer.sharding
     if sharding is None or sharding.replicate.world_size == 1:
         return True
-    tensors = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()]
-    for entry in optimizer.state_dict()["state"].values():
-        tensors += [v.to_local() if isinstance(v, DTensor) else v for v in entry.values()]
+    tensors = list(own["model"].values())
+    for entry in own["state"].values():
+        tensors += list(entry.values())
+    tensors = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
     sums = [
         t.detach().contiguous().view(-1).view(torch.uint8).sum(dtype=torch.int64)
         for t in tensors
