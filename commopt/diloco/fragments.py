@@ -69,7 +69,8 @@ class Fragment:
     ) -> None:
         self.params = params
         shards = [local_shard(p) for p in params]  # (DTensors: this rank's FSDP2 shard)
-        #: where each parameter (its local shard) starts in the flat buffers
+        #: each parameter's (local shard's) shape, and where it starts in the flat buffers
+        self.shapes = [t.shape for t in shards]
         self.offsets = [0, *itertools.accumulate(t.numel() for t in shards)][:-1]
         self.numel = sum(t.numel() for t in shards)
         device = shards[0].device
@@ -92,8 +93,9 @@ class Fragment:
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """``flat`` cut into one view per parameter (its local shard), shaped like it."""
-        shapes = [local_shard(p).shape for p in self.params]
-        return [flat[o : o + s.numel()].view(s) for o, s in zip(self.offsets, shapes, strict=True)]
+        return [
+            flat[o : o + s.numel()].view(s) for o, s in zip(self.offsets, self.shapes, strict=True)
+        ]
 
     @torch.no_grad()
     def gather_params_(self, out: torch.Tensor) -> torch.Tensor:
