@@ -20,6 +20,7 @@ outer momentum (docs/algorithms/diloco.md has the experiment behind each default
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 import weakref
@@ -107,7 +108,7 @@ class DiLoCo(torch.optim.Optimizer):
     It is a ``torch.optim.Optimizer`` the way torch's own ``PostLocalSGDOptimizer`` is: it wraps
     the inner optimizer, whose ``param_groups``, ``state`` and ``defaults`` it shows as its own,
     so learning-rate schedulers, HF Trainer and Lightning take it as any optimizer (a schedule
-    on it sets the inner optimizer's lr).
+    on it sets the inner optimizer's lr), and torch's step and state-dict hooks run on it.
 
     Usage::
 
@@ -213,6 +214,12 @@ class DiLoCo(torch.optim.Optimizer):
             raise ValueError(f"Invalid outer_lr: {self.outer_lr} (must be > 0)")
         if not 0.0 <= self.outer_momentum < 1.0:
             raise ValueError(f"Invalid outer_momentum: {self.outer_momentum} (0 <= μ < 1)")
+        # torch.optim.Optimizer.__init__ less its parameter groups (the inner optimizer's): the
+        # hook registries, and step() wrapped so that step and global hooks run around it
+        for kind in ("step", "state_dict", "load_state_dict"):
+            for when in ("pre", "post"):
+                setattr(self, f"_optimizer_{kind}_{when}_hooks", collections.OrderedDict())
+        self._patch_step_function()
         self.inner = inner
         self.sync_every, self.compression, self.nesterov = sync_every, compression, bool(nesterov)
         self.fragments, self.delay, self.warmup_steps = fragments, delay, warmup_steps
@@ -464,11 +471,21 @@ class DiLoCo(torch.optim.Optimizer):
         ``"commopt"`` this rank's error buffers, the step and any delayed sync in flight
         (:mod:`commopt.diloco.checkpointing`; with :func:`commopt.save_checkpoint` the anchors
         are written once and the error buffers per rank)."""
-        return checkpointing.state_dict(self._parts())
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
+        state_dict = checkpointing.state_dict(self._parts())
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            state_dict = post_hook(self, state_dict) or state_dict
+        return state_dict
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`; everything is checked before anything changes."""
+        state_dict = dict(state_dict)
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            state_dict = pre_hook(self, state_dict) or state_dict
         checkpointing.load_state_dict(self._parts(), state_dict)
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
 
     def _parts(self) -> checkpointing.Parts:
         inner, be, average, progress = self.inner, self.backend, self.average, self.progress

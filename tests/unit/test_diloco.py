@@ -91,6 +91,39 @@ def test_it_is_a_torch_optimizer_that_schedulers_drive_and_that_refuses_new_grou
         commopt.DiLoCo(opt, sync_every=2, backend=SingleProcessBackend())
 
 
+def test_torch_optimizer_hooks_run_around_its_step_and_state_dicts() -> None:
+    """The hooks any torch optimizer takes (EMA and logging libraries register them) run on
+    DiLoCo's own step and state dicts: torch's global step hooks see DiLoCo and, inside its
+    step, the inner optimizer, as two optimizers stepping; state-dict hooks may rewrite it."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    model, opt = _make()
+    calls: list[object] = []
+    opt.register_step_pre_hook(lambda o, args, kwargs: calls.append(("pre", o)))
+    opt.register_step_post_hook(lambda o, args, kwargs: calls.append(("post", o)))
+    handle = register_optimizer_step_post_hook(
+        lambda o, args, kwargs: calls.append(("global", type(o).__name__))
+    )
+    try:
+        _train(model, opt, [1])
+    finally:
+        handle.remove()
+    assert calls == [("pre", opt), ("global", "AdamW"), ("post", opt), ("global", "DiLoCo")]
+
+    opt.register_state_dict_pre_hook(lambda o: calls.append("saving"))
+    opt.register_state_dict_post_hook(lambda o, sd: {**sd, "mine": 1})
+    saved = opt.state_dict()
+    assert calls[-1] == "saving" and saved["mine"] == 1
+    opt.register_load_state_dict_pre_hook(
+        lambda o, sd: {k: v for k, v in sd.items() if k != "mine"}
+    )
+    opt.register_load_state_dict_post_hook(lambda o: calls.append("loaded"))
+    opt.register_load_state_dict_pre_hook(lambda o, sd: calls.append(sorted(sd)))
+    opt.load_state_dict(saved)
+    assert calls[-2:] == [sorted(k for k in saved if k != "mine"), "loaded"]
+    assert "mine" in saved  # the caller's dict is left as it was
+
+
 def test_fragments_are_contiguous_whole_tensors_of_about_equal_size() -> None:
     params = [torch.zeros(n) for n in (100, 10, 10, 80, 5, 95, 100)]
     for k in range(1, len(params) + 1):
