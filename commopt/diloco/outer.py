@@ -487,6 +487,18 @@ class DiLoCo(torch.optim.Optimizer):
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Refused: ``torch.optim.Optimizer``'s pickling keeps only the parameter groups and the
+        state, and would give an object without the backend, anchors and error buffers.
+
+        Raises:
+            TypeError: always; save :meth:`state_dict` and load it into a new DiLoCo.
+        """
+        raise TypeError(
+            "DiLoCo cannot be pickled or deep-copied (it holds its backend's process groups and "
+            "a communication thread); save opt.state_dict() and load it into a new DiLoCo"
+        )
+
     def _parts(self) -> checkpointing.Parts:
         inner, be, average, progress = self.inner, self.backend, self.average, self.progress
         return checkpointing.Parts(inner, be, average, self.parts, progress, self.settings())

@@ -124,6 +124,18 @@ def test_torch_optimizer_hooks_run_around_its_step_and_state_dicts() -> None:
     assert "mine" in saved  # the caller's dict is left as it was
 
 
+def test_pickling_and_deepcopy_are_refused_not_half_done() -> None:
+    """torch.optim.Optimizer's __getstate__ keeps the groups and the state alone: the copy
+    would lack the backend, anchors and error buffers."""
+    import copy
+    import pickle
+
+    _, opt = _make()
+    for copier in (copy.deepcopy, pickle.dumps):
+        with pytest.raises(TypeError, match=r"save opt\.state_dict"):
+            copier(opt)
+
+
 def test_fragments_are_contiguous_whole_tensors_of_about_equal_size() -> None:
     params = [torch.zeros(n) for n in (100, 10, 10, 80, 5, 95, 100)]
     for k in range(1, len(params) + 1):
