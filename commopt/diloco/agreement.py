@@ -128,6 +128,7 @@ def check_shards(backend: Backend, params: list[torch.Tensor]) -> bool:
         raise ValueError(
             f"DiLoCo: the ranks of its backend hold different FSDP2 shards ({shards}); "
             "build it over the ranks that hold the same shard: "
-            "backend=commopt.TorchBackend(mesh.get_group('replicate'))"
+            "backend=commopt.TorchBackend(mesh.get_group('replicate')), or on MPI an "
+            "MpiBackend(comm.Split(shard_index, replica_index))"
         )
     return True
