@@ -84,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sync-every", default="10,50,100", help="the H of the DiLoCo rows")
     parser.add_argument("--optimizers", help="comma-separated labels (default: the issue's rows)")
     parser.add_argument("--steps", type=int, help="override the task's default")
+    parser.add_argument("--lr", type=float, help="every row's Adam lr (default: the task's)")
     parser.add_argument("--world-size", type=int, default=4)
     parser.add_argument("--out", type=pathlib.Path, default=OUT)
     parser.add_argument("--timeout", type=float, default=7200.0)
@@ -91,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     seeds = [int(s) for s in args.seeds.split(",")]
     hs = [int(h) for h in args.sync_every.split(",")]
     variants = args.optimizers.split(",") if args.optimizers else default_variants(hs)
-    hp = task_hyper(args.task, steps=args.steps)
+    hp = task_hyper(args.task, steps=args.steps, lr=args.lr)
     params = sum(p.numel() for p in load_task(args.task).build_model().parameters())
 
     t0 = time.perf_counter()
@@ -130,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
             f"step and 0/1 Adam variance freeze {hp.warmup}. Command: `python -m "
             f"experiments.diloco.convergence --task {args.task} --seeds {args.seeds}"
             + (f" --steps {args.steps}" if args.steps else "")
+            + (f" --lr {args.lr:g}" if args.lr else "")
             + (f" --optimizers {args.optimizers}" if args.optimizers else "")
             + "`.",
             f"Machine: {describe_machine()}; {time.perf_counter() - t0:.0f} s wall.",
@@ -141,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args.out.mkdir(parents=True, exist_ok=True)
     name = args.task if not args.optimizers else f"{args.task}-{len(variants)}-variants"
+    name += f"-lr{args.lr:g}" if args.lr else ""
     (args.out / f"{name}.md").write_text(text + "\n")
     print(text)
     return 0
