@@ -138,12 +138,22 @@ def _check(own: Parts, sd: dict[str, Any]) -> bool:
     buckets = comm.get("buckets", [])
     if not buckets:
         return False
-    n = own.backend.world_size
+    n, rank = own.backend.world_size, own.backend.rank
+    reason = None
     if comm.get("world_size") != n or comm.get("layout") != _layout(own):
+        reason = (
+            f"saved for {comm.get('layout')!r} at world size {comm.get('world_size')}, this is "
+            f"{_layout(own)!r} at {n}"
+        )
+    elif comm.get("rank") != rank:  # one rank's file loaded everywhere (HF Trainer, say)
+        reason = (
+            f"saved by rank {comm.get('rank')}, loaded on rank {rank} (save each rank's own "
+            "opt.state_dict(), or use commopt.save_checkpoint)"
+        )
+    if reason is not None:
         warnings.warn(
-            f"DiLoCo.load_state_dict: the error buffers were saved for {comm.get('layout')!r} "
-            f"at world size {comm.get('world_size')}, this is {_layout(own)!r} at {n}: they "
-            "are reset to zero",
+            f"DiLoCo.load_state_dict: the error buffers were {reason}: they are reset to zero "
+            "(everything else is restored)",
             stacklevel=3,
         )
         return False
