@@ -18,6 +18,7 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("no CUDA GPU visible to torch", allow_module_level=True)
 
+from tests.gpu.sharded_mlp import sharded_mlp, train
 from tests.multirank.harness import run_ranks
 
 H, STEPS = 4, 12
@@ -25,24 +26,12 @@ H, STEPS = 4, 12
 
 def train_diloco_on_shards(backend, device: str, offload: bool) -> dict:
     """One rank's run (also called with ``device="cpu"`` to check this body without a GPU)."""
-    import torch.distributed as dist
-    from torch import nn
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
-
     import commopt
 
     del backend
     if device == "cuda":
         torch.cuda.set_device(0)
-    mesh = init_device_mesh(device, (2, 2), mesh_dim_names=("replicate", "shard"))
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(64, 96), nn.GELU(), nn.Linear(96, 8))
-    policy = {"offload_policy": CPUOffloadPolicy()} if offload else {}
-    for layer in model:
-        if isinstance(layer, nn.Linear):
-            fully_shard(layer, mesh=mesh["shard"], **policy)
-    fully_shard(model, mesh=mesh["shard"], **policy)
+    model, mesh = sharded_mlp(device, offload)
     replicate = commopt.TorchBackend(mesh.get_group("replicate"))
     opt = commopt.DiLoCo(
         torch.optim.AdamW(model.parameters(), lr=1e-2),
@@ -50,19 +39,7 @@ def train_diloco_on_shards(backend, device: str, offload: bool) -> dict:
         fp32_syncs=1,
         backend=replicate,
     )
-    g = torch.Generator().manual_seed(dist.get_rank())
-    x, y = torch.randn(32, 64, generator=g).to(device), torch.randn(32, 8, generator=g).to(device)
-    losses, same = [], []
-    for _ in range(STEPS):
-        loss = nn.functional.mse_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(float(loss.detach()))
-        mine = torch.cat([p.to_local().detach().reshape(-1) for p in model.parameters()])
-        every = [torch.empty_like(mine) for _ in range(replicate.world_size)]
-        dist.all_gather(every, mine, group=replicate.group)
-        same.append(all(torch.equal(e, mine) for e in every))
+    losses, same = train(model, opt, device, STEPS, replicate)
     state = opt.state_dict()["commopt"]
     return {
         "losses": losses,
@@ -70,7 +47,7 @@ def train_diloco_on_shards(backend, device: str, offload: bool) -> dict:
         "shards": {p.to_local().device.type for p in model.parameters()},
         "anchors": {f.anchor.device.type for f in opt.parts},
         "errors": {t.device.type for b in state["buckets"] for t in b.values()},
-        "compressed": (lambda s: s["sync_bytes"] - s["fp32_sync_bytes"])(opt.comm_stats()),
+        "compressed": opt.comm_stats()["sync_bytes"] - opt.comm_stats()["fp32_sync_bytes"],
     }
 
 

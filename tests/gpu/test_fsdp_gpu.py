@@ -19,6 +19,7 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("no CUDA GPU visible to torch", allow_module_level=True)
 
+from tests.gpu.sharded_mlp import sharded_mlp, train
 from tests.multirank.harness import run_ranks
 from tests.optim_registry import OPTIMIZERS
 
@@ -28,40 +29,16 @@ STEPS = 12
 
 
 def _train(backend, offload: bool):
-    import torch.distributed as dist
-    from torch import nn
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
-
     import commopt.fsdp
 
     del backend
     torch.cuda.set_device(0)
     out = {}
     for info in OPTIMIZERS:
-        mesh = init_device_mesh("cuda", (2, 2), mesh_dim_names=("replicate", "shard"))
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(64, 96), nn.GELU(), nn.Linear(96, 8))
-        policy = {"offload_policy": CPUOffloadPolicy()} if offload else {}
-        for layer in model:
-            if isinstance(layer, nn.Linear):
-                fully_shard(layer, mesh=mesh["shard"], **policy)
-        fully_shard(model, mesh=mesh["shard"], **policy)
+        model, mesh = sharded_mlp("cuda", offload)
         opt = info.make(list(model.parameters()), backward=True)
         sharding = commopt.fsdp.attach(model, opt, mesh)
-        g = torch.Generator().manual_seed(dist.get_rank())
-        x, y = torch.randn(32, 64, generator=g).cuda(), torch.randn(32, 8, generator=g).cuda()
-        losses, same = [], []
-        for _ in range(STEPS):
-            loss = nn.functional.mse_loss(model(x), y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(float(loss))
-            mine = torch.cat([p.to_local().detach().reshape(-1).cpu() for p in model.parameters()])
-            every = [torch.empty_like(mine) for _ in range(sharding.replicate.world_size)]
-            dist.all_gather(every, mine, group=sharding.replicate.group)
-            same.append(all(torch.equal(e, mine) for e in every))
+        losses, same = train(model, opt, "cuda", STEPS, sharding.replicate)
         devices = {str(t.device.type) for s in opt.flat_states for t in s.flat.values()}
         shard_devices = {p.to_local().device.type for p in model.parameters()}
         out[info.name] = {"losses": losses, "same": same, "state": devices, "shards": shard_devices}

@@ -319,14 +319,19 @@ def _other_world(backend, path):
     return errors_zero, any("error buffers are reset to zero" in str(w.message) for w in caught)
 
 
-def _save(backend, path):
+def _trained(backend):
+    """9 steps at H = 4, 1 bit from the first sync: error buffers in play, mid-interval."""
     model = _model()
     opt = commopt.DiLoCo(torch.optim.AdamW(model.parameters(), lr=1e-2), sync_every=4, fp32_syncs=0)
     for step in range(1, 10):
         _loss(model, backend.rank, step).backward()
         opt.step()
         opt.zero_grad()
-    commopt.save_checkpoint(path, model, opt)
+    return model, opt
+
+
+def _save(backend, path):
+    commopt.save_checkpoint(path, *_trained(backend))
 
 
 def test_a_checkpoint_loads_at_another_world_size_with_zero_error_buffers(tmp_path) -> None:
@@ -339,12 +344,7 @@ def test_a_checkpoint_loads_at_another_world_size_with_zero_error_buffers(tmp_pa
 def _rank0s_file_everywhere(backend):
     """What a one-file checkpoint does (HF Trainer saves rank 0's optimizer state): every rank
     loads rank 0's state dict."""
-    model = _model()
-    opt = commopt.DiLoCo(torch.optim.AdamW(model.parameters(), lr=1e-2), sync_every=4, fp32_syncs=0)
-    for step in range(1, 10):
-        _loss(model, backend.rank, step).backward()
-        opt.step()
-        opt.zero_grad()
+    _, opt = _trained(backend)
     saved = [opt.state_dict()]
     torch.distributed.broadcast_object_list(saved, 0)
     with warnings.catch_warnings(record=True) as caught:
