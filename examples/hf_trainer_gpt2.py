@@ -22,9 +22,15 @@ keeps its own gradients, and every H steps DiLoCo averages the pseudo-gradient. 
 built after ``TrainingArguments``, which starts the process group under ``torchrun``, since
 building it is collective. ``result.json`` then also says, for the step before each sync,
 whether the ranks' parameters differed (they must: the gradients stayed local).
+
+Checkpoints: ``--save-steps N`` saves every N steps, ``--resume OUT/checkpoint-<step>`` resumes.
+The Trainer keeps rank 0's optimizer state alone; the ``CommoptCheckpoints`` callback adds each
+rank's own (``commopt.save_checkpoint``) under ``checkpoint-<step>/commopt`` and loads it when
+the resumed run begins, so the resume is bit-exact (tests/multirank/test_hf_trainer.py).
 """
 
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -91,6 +97,32 @@ class LossLog(TrainerCallback):
             self.differed_before_syncs.append(not _replicas_identical(self.model))
 
 
+class CommoptCheckpoints(TrainerCallback):
+    """Each rank's own optimizer state in every Trainer checkpoint, and back on resume.
+
+    The Trainer saves rank 0's ``optimizer.state_dict()`` alone, and loads it on every rank:
+    the other ranks' error-feedback buffers (and, under DiLoCo, their parameters and inner
+    state between syncs) would be lost; commopt resets those buffers with a warning rather than
+    load rank 0's. This callback writes ``commopt.save_checkpoint`` (collective: every rank's
+    own part) into ``checkpoint-<step>/commopt`` when the Trainer saves, and loads it when a
+    resumed run begins, after the Trainer's own loads, so the resume is bit-exact.
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.model, self.optimizer = model, optimizer
+
+    @staticmethod
+    def _path(args, state) -> str:
+        return os.path.join(args.output_dir, f"checkpoint-{state.global_step}", "commopt")
+
+    def on_save(self, args, state, control, **kwargs):  # type: ignore[override]
+        commopt.save_checkpoint(self._path(args, state), self.model, self.optimizer)
+
+    def on_train_begin(self, args, state, control, **kwargs):  # type: ignore[override]
+        if state.global_step > 0:  # resumed: the Trainer has loaded rank 0's state everywhere
+            commopt.load_checkpoint(self._path(args, state), self.model, self.optimizer)
+
+
 def _replicas_identical(model: torch.nn.Module) -> bool:
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     if not dist.is_initialized():
@@ -108,6 +140,8 @@ def main() -> None:
     parser.add_argument("--accumulation", type=int, default=1, help="backward passes per step")
     parser.add_argument("--diloco", type=int, default=0, help="H: commopt.DiLoCo around AdamW")
     parser.add_argument("--out", default="hf-run")
+    parser.add_argument("--save-steps", type=int, default=0, help="a checkpoint every N steps")
+    parser.add_argument("--resume", help="a checkpoint-<step> folder to resume from")
     args = parser.parse_args()
     torch.set_num_threads(1)
 
@@ -129,7 +163,8 @@ def main() -> None:
         per_device_train_batch_size=16 // args.accumulation,
         gradient_accumulation_steps=args.accumulation,
         logging_steps=5,
-        save_strategy="no",
+        save_strategy="steps" if args.save_steps else "no",
+        save_steps=args.save_steps or 500,
         report_to=[],
         use_cpu=not torch.cuda.is_available(),
         ddp_broadcast_buffers=False,
@@ -155,10 +190,10 @@ def main() -> None:
         args=training_args,
         train_dataset=CountingDataset(4096),
         optimizers=(opt, sched),
-        callbacks=[log],
+        callbacks=[log, CommoptCheckpoints(model, opt)],
         commopt_optimizer=opt,
     )
-    trainer.train()
+    trainer.train(resume_from_checkpoint=args.resume)
     if args.diloco:
         opt.finish()  # a last sync of any steps since the last one: one model on every rank
 
@@ -174,6 +209,11 @@ def main() -> None:
                     "world_size": dist.get_world_size() if dist.is_initialized() else 1,
                     "comm_stats": {k: v for k, v in stats.items() if not isinstance(v, dict)},
                     "differed_before_syncs": log.differed_before_syncs,
+                    "parameters_sha256": hashlib.sha256(
+                        torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+                        .numpy()
+                        .tobytes()
+                    ).hexdigest(),
                 },
                 f,
                 indent=1,

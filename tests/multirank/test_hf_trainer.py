@@ -58,3 +58,26 @@ def test_trainer_example_with_diloco_keeps_the_inner_steps_local(tmp_path):
     stats = result["comm_stats"]
     assert (stats["steps"], stats["syncs"], stats["syncs_at_fp32"]) == (80, 8, 5)
     assert 0 < stats["compressed_bits_per_parameter_per_step"] <= 1.05 * 2 / 10
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--diloco", "10", "--max-steps", "40"],  # step 15: the ranks' own weights and AdamW state
+        ["--freeze-step", "10", "--max-steps", "30"],  # step 15: 1-bit, each rank's error buffers
+    ],
+    ids=["DiLoCo", "OnebitAdam"],
+)
+def test_trainer_resume_from_a_checkpoint_is_bit_exact(tmp_path, args):
+    """The Trainer saves rank 0's optimizer state alone; the example's CommoptCheckpoints
+    callback adds every rank's own (commopt.save_checkpoint) and loads it when the resumed run
+    begins. The run resumed from step 15 ends with the bits of the run that saved there."""
+    env = dict(TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
+    straight = run_example_under_torchrun(EXAMPLE, [*args, "--save-steps", "15"], tmp_path, env=env)
+    checkpoint = tmp_path / "checkpoint-15"
+    assert (checkpoint / "commopt").is_dir() and (checkpoint / "optimizer.pt").is_file()
+    resumed = run_example_under_torchrun(
+        EXAMPLE, [*args, "--resume", str(checkpoint)], tmp_path, env=env
+    )
+    assert resumed["replicas_identical"] and straight["replicas_identical"]
+    assert resumed["parameters_sha256"] == straight["parameters_sha256"]
