@@ -25,22 +25,27 @@ pseudo-gradient every H steps. (``DDPStrategy(ddp_comm_hook=noop_hook)`` would d
 CUDA, but Lightning registers a strategy's hook only on CUDA devices; on CPU it is dropped and
 DDP averages every step, which DiLoCo then warns of at its first sync.)
 
+:class:`RankStateCheckpoint` adds every rank's own optimizer state to Lightning's checkpoints,
+which hold rank 0's alone, and loads it back on resume.
+
 Needs ``pip install lightning`` (``lightning.pytorch``, version 2.4 or newer).
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from lightning.pytorch import Callback, LightningModule, Trainer
 from torch.distributed.algorithms.ddp_comm_hooks.debugging_hooks import noop_hook
 from torch.nn.parallel import DistributedDataParallel
 
+from commopt.checkpoint import load_checkpoint, save_checkpoint
 from commopt.ddp import OnebitHookState, onebit_hook
 from commopt.diloco import DiLoCo
 from commopt.optim.base import CompressedOptimizer
 
-__all__ = ["OnebitHookCallback"]
+__all__ = ["OnebitHookCallback", "RankStateCheckpoint"]
 
 
 class OnebitHookCallback(Callback):
@@ -67,16 +72,73 @@ class OnebitHookCallback(Callback):
         model: Any = trainer.strategy.model
         if not isinstance(model, DistributedDataParallel):
             return
-        kinds = (CompressedOptimizer, DiLoCo)
-        ours = [opt for opt in trainer.optimizers if isinstance(opt, kinds)]
-        if len(ours) != 1:
-            found = ", ".join(type(opt).__name__ for opt in trainer.optimizers) or "none"
-            raise ValueError(
-                "OnebitHookCallback needs exactly one commopt optimizer (OnebitAdam, OnebitLamb, "
-                f"ZeroOneAdam, DiLoCo) from configure_optimizers; found: {found}"
-            )
-        if isinstance(ours[0], DiLoCo):
+        opt = _the_commopt_optimizer(trainer, "OnebitHookCallback")
+        if isinstance(opt, DiLoCo):
             model.register_comm_hook(None, noop_hook)
             return
-        self.state = OnebitHookState(ours[0], self.exchange_in_backward)
+        self.state = OnebitHookState(opt, self.exchange_in_backward)
         model.register_comm_hook(self.state, onebit_hook)
+
+
+class RankStateCheckpoint(Callback):
+    """Each rank's own optimizer state beside every Lightning checkpoint, loaded back on resume.
+
+    Lightning writes the checkpoint file from rank 0, with rank 0's ``optimizer.state_dict()``,
+    and loads that on every rank: the other ranks would resume with zero error-feedback buffers
+    (commopt warns and resets them rather than load rank 0's) and, under
+    :class:`~commopt.DiLoCo`, with rank 0's weights and inner state between syncs. This callback
+    writes :func:`commopt.save_checkpoint` (collective: every rank's own part) to
+    ``dirpath/step-<global step>`` whenever Lightning saves a checkpoint, records that folder in
+    the checkpoint, and on ``trainer.fit(ckpt_path=...)`` loads it at ``on_train_start``, after
+    Lightning's own restore: the resumed run starts from every rank's own weights and optimizer
+    state, bit for bit (examples/lightning_commopt.py, ``--resume-check``)::
+
+        trainer = pl.Trainer(strategy="ddp", callbacks=[OnebitHookCallback(),
+                                                        RankStateCheckpoint()])
+
+    Args:
+        dirpath: where the per-rank folders go; ``None``: ``<default_root_dir>/commopt-state``.
+            Every rank must see it (one machine, or a shared file system). Lightning's
+            ``save_top_k`` does not prune these folders.
+    """
+
+    key = "commopt_rank_state"
+
+    def __init__(self, dirpath: str | os.PathLike[str] | None = None) -> None:
+        self.dirpath = dirpath
+        self._resume_from: str | None = None
+
+    def on_save_checkpoint(
+        self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        """Save every rank's state (Lightning calls this on every rank) and record where."""
+        root = self.dirpath if self.dirpath is not None else trainer.default_root_dir
+        sub = "" if self.dirpath is not None else "commopt-state"
+        path = os.path.join(root, sub, f"step-{trainer.global_step}")
+        save_checkpoint(path, pl_module, _the_commopt_optimizer(trainer, "RankStateCheckpoint"))
+        checkpoint[self.key] = path
+
+    def on_load_checkpoint(
+        self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        """Remember the folder; Lightning restores the optimizer after this hook."""
+        self._resume_from = checkpoint.get(self.key)
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Load every rank's own state over what Lightning restored from rank 0's file."""
+        if self._resume_from is not None:
+            opt = _the_commopt_optimizer(trainer, "RankStateCheckpoint")
+            load_checkpoint(self._resume_from, pl_module, opt)
+            self._resume_from = None
+
+
+def _the_commopt_optimizer(trainer: Trainer, who: str) -> CompressedOptimizer | DiLoCo:
+    kinds = (CompressedOptimizer, DiLoCo)
+    ours = [opt for opt in trainer.optimizers if isinstance(opt, kinds)]
+    if len(ours) != 1:
+        found = ", ".join(type(opt).__name__ for opt in trainer.optimizers) or "none"
+        raise ValueError(
+            f"{who} needs exactly one commopt optimizer (OnebitAdam, OnebitLamb, "
+            f"ZeroOneAdam, DiLoCo) from configure_optimizers; found: {found}"
+        )
+    return ours[0]

@@ -11,11 +11,18 @@ by itself), on the same data. Rank 0 writes ``result.json``: per optimizer the l
 ``comm_stats()``, whether the replicas are identical (0/1 Adam's are not between its sync
 steps, by design) and whether Lightning's weights equal the standalone optimizer's on every
 rank, bit for bit.
+
+With ``--resume-check``, for each optimizer also: a Lightning checkpoint after step 16, and a
+new Trainer resumed from it, with and without ``commopt.lightning.RankStateCheckpoint``; the
+result says whether the resumed run starts from the bits (weights and optimizer state) every
+rank had at step 16. Lightning's file holds rank 0's optimizer state alone, so only the
+callback gives the other ranks their own.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import warnings
@@ -27,7 +34,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, TensorDataset
 
 import commopt
-from commopt.lightning import OnebitHookCallback
+from commopt.lightning import OnebitHookCallback, RankStateCheckpoint
 
 OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer | commopt.DiLoCo]] = {
     "OnebitAdam": lambda params, freeze: commopt.OnebitAdam(params, lr=1e-2, freeze_step=freeze),
@@ -98,30 +105,99 @@ def true_everywhere(flag: bool) -> bool:
     return bool(t.item())
 
 
+def _trainer(steps: int, callbacks: list[pl.Callback]) -> pl.Trainer:
+    return pl.Trainer(
+        accelerator="cpu",
+        devices=int(os.environ.get("WORLD_SIZE", "1")),
+        strategy="ddp",
+        max_steps=steps,
+        callbacks=[OnebitHookCallback(), *callbacks],
+        use_distributed_sampler=False,  # each rank brings its own data (make_data)
+        logger=False,
+        enable_checkpointing=any(isinstance(c, pl.callbacks.ModelCheckpoint) for c in callbacks),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+
+
+def digest(module: torch.nn.Module, opt: torch.optim.Optimizer) -> str:
+    """SHA-256 of the weights and every tensor and value of ``opt.state_dict()``."""
+    h = hashlib.sha256()
+
+    def walk(x: object) -> None:
+        if isinstance(x, torch.Tensor):
+            h.update(x.detach().cpu().contiguous().numpy().tobytes())
+        elif isinstance(x, dict):
+            for k in sorted(x, key=str):
+                h.update(str(k).encode())
+                walk(x[k])
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                walk(v)
+        else:
+            h.update(repr(x).encode())
+
+    walk(flat(module))
+    walk(opt.state_dict())
+    return h.hexdigest()
+
+
+class StateAt(pl.Callback):
+    """The digest of this rank's weights and optimizer state after step ``step`` (the run that
+    saves), or at ``on_train_start`` (a resumed run, after RankStateCheckpoint's load)."""
+
+    def __init__(self, step: int) -> None:
+        self.step, self.found = step, ""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # type: ignore[override]
+        if trainer.global_step == self.step:
+            self.found = digest(pl_module, trainer.optimizers[0])
+
+    def on_train_start(self, trainer, pl_module) -> None:  # type: ignore[override]
+        if trainer.global_step == self.step:
+            self.found = digest(pl_module, trainer.optimizers[0])
+
+
+def resume_check(name: str, freeze: int, out: str) -> dict[str, bool]:
+    """A Lightning checkpoint after step 16 of 32 (1-bit Adam in its 1-bit stage, DiLoCo between
+    syncs); then a new Trainer resumed from it, with and without RankStateCheckpoint. Whether
+    the resumed run starts, on every rank, from the bits the saving run had at step 16: each
+    rank's weights and optimizer state, error buffers included. (Not the end of the runs:
+    Lightning's own resume at an epoch's end replays one batch.)"""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    folder = os.path.join(out, f"checkpoints-{name}")
+    saver = ModelCheckpoint(dirpath=folder, every_n_epochs=1, save_top_k=-1)
+    at_save = StateAt(16)
+    trainer = _trainer(32, [RankStateCheckpoint(os.path.join(folder, "commopt")), at_save, saver])
+    data = DataLoader(make_data(trainer.global_rank, 16), batch_size=16)
+    trainer.fit(Regression(name, freeze), data)
+    first_epoch = os.path.join(folder, "epoch=0-step=16.ckpt")
+    equal = {}
+    for label, callbacks in (("with_callback", [RankStateCheckpoint()]), ("without", [])):
+        at_resume = StateAt(16)
+        resumed = _trainer(17, [*callbacks, at_resume])  # its first step would be 17
+        resumed.fit(Regression(name, freeze), data, ckpt_path=first_epoch)
+        equal[label] = true_everywhere(at_resume.found == at_save.found != "")
+    return equal
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--freeze-step", type=int, default=10)
     parser.add_argument("--optimizers", default=",".join(OPTIMIZERS))
     parser.add_argument("--out", default="pl-run")
+    parser.add_argument(
+        "--resume-check", action="store_true", help="also resume from a checkpoint at step 16"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore", ".*does not have many workers.*")
 
     results = {}
     for name in args.optimizers.split(","):
-        trainer = pl.Trainer(
-            accelerator="cpu",
-            devices=int(os.environ.get("WORLD_SIZE", "1")),
-            strategy="ddp",
-            max_steps=args.steps,
-            callbacks=[OnebitHookCallback()],
-            use_distributed_sampler=False,  # each rank brings its own data (make_data)
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-        )
+        trainer = _trainer(args.steps, [])
         module = Regression(name, args.freeze_step)
         data = make_data(trainer.global_rank, args.steps)
         trainer.fit(module, DataLoader(data, batch_size=16))
@@ -135,6 +211,8 @@ def main() -> None:
             ),
             "comm_stats": {k: v for k, v in stats.items() if not isinstance(v, dict)},
         }
+        if args.resume_check:
+            results[name]["resume_bit_exact"] = resume_check(name, args.freeze_step, args.out)
     if dist.get_rank() == 0:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "result.json"), "w") as f:

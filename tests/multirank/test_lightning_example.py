@@ -1,5 +1,7 @@
 """Lightning trains a LightningModule on 2 ranks with each commopt optimizer through
-commopt.lightning.OnebitHookCallback, bit-identical to the standalone optimizer."""
+commopt.lightning.OnebitHookCallback, bit-identical to the standalone optimizer; a run resumed
+from a Lightning checkpoint starts from every rank's own state with
+commopt.lightning.RankStateCheckpoint, and not without it."""
 
 from __future__ import annotations
 
@@ -16,10 +18,13 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "lightning_commopt.
 
 
 def test_lightning_example_equals_standalone_for_each_optimizer(tmp_path):
-    result = run_example_under_torchrun(EXAMPLE, ["--steps", "30", "--freeze-step", "10"], tmp_path)
+    args = ["--steps", "30", "--freeze-step", "10", "--resume-check"]
+    result = run_example_under_torchrun(EXAMPLE, args, tmp_path)
     assert result["world_size"] == 2
     runs = result["optimizers"]
     assert set(runs) == {*BY_NAME, "DiLoCo"}
+    for name, run in runs.items():  # step 16's weights and optimizer state, on every rank
+        assert run["resume_bit_exact"] == {"with_callback": True, "without": False}, name
     diloco = runs.pop("DiLoCo")  # through the callback's noop_hook: local inner steps
     assert diloco["equals_standalone"] and diloco["replicas_identical"]  # step 30 is a sync
     assert diloco["losses"][-1] < diloco["losses"][0], diloco["losses"]
