@@ -60,16 +60,21 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    """``commopt.lightning`` on first use: it imports Lightning, which ``import commopt`` must
-    not (most users do not have it); a clear ImportError when Lightning is missing."""
-    if name == "lightning":
+    """``commopt.lightning`` and ``commopt.hf`` on first use: they import Lightning and
+    transformers, which ``import commopt`` must not (most users do not have them); a clear
+    ImportError when the framework is missing."""
+    needs = {
+        "lightning": ("lightning", "Lightning 2.4 or newer (lightning.pytorch)", "lightning"),
+        "hf": ("transformers", "transformers", "hf"),
+    }
+    if name in needs:
+        package, what, extra = needs[name]
         try:
-            return importlib.import_module("commopt.lightning")
+            return importlib.import_module(f"commopt.{name}")
         except ModuleNotFoundError as err:
-            if (err.name or "").split(".")[0] != "lightning":
+            if (err.name or "").split(".")[0] != package:
                 raise
             raise ImportError(
-                "commopt.lightning needs Lightning 2.4 or newer (lightning.pytorch): "
-                "pip install 'commopt[lightning]'"
+                f"commopt.{name} needs {what}: pip install 'commopt[{extra}]'"
             ) from err
     raise AttributeError(f"module 'commopt' has no attribute {name!r}")

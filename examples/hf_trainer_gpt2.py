@@ -24,7 +24,7 @@ building it is collective. ``result.json`` then also says, for the step before e
 whether the ranks' parameters differed (they must: the gradients stayed local).
 
 Checkpoints: ``--save-steps N`` saves every N steps, ``--resume OUT/checkpoint-<step>`` resumes.
-The Trainer keeps rank 0's optimizer state alone; the ``CommoptCheckpoints`` callback adds each
+The Trainer keeps rank 0's optimizer state alone; ``commopt.hf.RankStateCheckpoint`` adds each
 rank's own (``commopt.save_checkpoint``) under ``checkpoint-<step>/commopt`` and loads it when
 the resumed run begins, so the resume is bit-exact (tests/multirank/test_hf_trainer.py).
 """
@@ -42,6 +42,7 @@ from torch.nn.parallel import DistributedDataParallel
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
 import commopt
+from commopt.hf import RankStateCheckpoint
 
 VOCAB, LENGTH = 64, 32
 
@@ -95,32 +96,6 @@ class LossLog(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):  # type: ignore[override]
         if self.sync_every and (state.global_step + 1) % self.sync_every == 0:
             self.differed_before_syncs.append(not _replicas_identical(self.model))
-
-
-class CommoptCheckpoints(TrainerCallback):
-    """Each rank's own optimizer state in every Trainer checkpoint, and back on resume.
-
-    The Trainer saves rank 0's ``optimizer.state_dict()`` alone, and loads it on every rank:
-    the other ranks' error-feedback buffers (and, under DiLoCo, their parameters and inner
-    state between syncs) would be lost; commopt resets those buffers with a warning rather than
-    load rank 0's. This callback writes ``commopt.save_checkpoint`` (collective: every rank's
-    own part) into ``checkpoint-<step>/commopt`` when the Trainer saves, and loads it when a
-    resumed run begins, after the Trainer's own loads, so the resume is bit-exact.
-    """
-
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        self.model, self.optimizer = model, optimizer
-
-    @staticmethod
-    def _path(args, state) -> str:
-        return os.path.join(args.output_dir, f"checkpoint-{state.global_step}", "commopt")
-
-    def on_save(self, args, state, control, **kwargs):  # type: ignore[override]
-        commopt.save_checkpoint(self._path(args, state), self.model, self.optimizer)
-
-    def on_train_begin(self, args, state, control, **kwargs):  # type: ignore[override]
-        if state.global_step > 0:  # resumed: the Trainer has loaded rank 0's state everywhere
-            commopt.load_checkpoint(self._path(args, state), self.model, self.optimizer)
 
 
 def _replicas_identical(model: torch.nn.Module) -> bool:
@@ -190,7 +165,7 @@ def main() -> None:
         args=training_args,
         train_dataset=CountingDataset(4096),
         optimizers=(opt, sched),
-        callbacks=[log, CommoptCheckpoints(model, opt)],
+        callbacks=[log, RankStateCheckpoint()],
         commopt_optimizer=opt,
     )
     trainer.train(resume_from_checkpoint=args.resume)

@@ -69,8 +69,8 @@ def test_trainer_example_with_diloco_keeps_the_inner_steps_local(tmp_path):
     ids=["DiLoCo", "OnebitAdam"],
 )
 def test_trainer_resume_from_a_checkpoint_is_bit_exact(tmp_path, args):
-    """The Trainer saves rank 0's optimizer state alone; the example's CommoptCheckpoints
-    callback adds every rank's own (commopt.save_checkpoint) and loads it when the resumed run
+    """The Trainer saves rank 0's optimizer state alone; commopt.hf.RankStateCheckpoint, in the
+    example, adds every rank's own (commopt.save_checkpoint) and loads it when the resumed run
     begins. The run resumed from step 15 ends with the bits of the run that saved there."""
     env = dict(TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
     straight = run_example_under_torchrun(EXAMPLE, [*args, "--save-steps", "15"], tmp_path, env=env)

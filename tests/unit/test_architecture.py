@@ -269,11 +269,13 @@ def test_the_helper_checker_finds_one(tmp_path: pathlib.Path) -> None:
 
 
 #: the public integration points, which take a user's optimizer by design (the issue's list,
-#: plus the DeepSpeed config export and the monitor, whose hook has torch's signature)
+#: plus the HF Trainer's callback, the DeepSpeed config export and the monitor, whose hook
+#: has torch's signature)
 TAKES_THE_OPTIMIZER = {
     "ddp.py",
     "fsdp.py",
     "lightning.py",
+    "hf.py",
     "checkpoint",
     "deepspeed_compat.py",
     "monitor.py",

@@ -104,3 +104,16 @@ def test_commopt_lightning_without_lightning_says_how_to_install(monkeypatch):
         commopt.lightning  # noqa: B018
     with pytest.raises(AttributeError, match="no attribute 'lightnin'"):
         commopt.lightnin  # noqa: B018
+
+
+def test_commopt_hf_without_transformers_says_how_to_install(monkeypatch):
+    import sys
+
+    import commopt
+
+    monkeypatch.delitem(sys.modules, "commopt.hf", raising=False)
+    if "hf" in vars(commopt):  # (as above: not delattr(raising=False))
+        monkeypatch.delattr(commopt, "hf")
+    monkeypatch.setitem(sys.modules, "transformers", None)  # "not installed"
+    with pytest.raises(ImportError, match=r"pip install 'commopt\[hf\]'"):
+        commopt.hf  # noqa: B018
