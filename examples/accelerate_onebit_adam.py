@@ -12,9 +12,16 @@ With ``--diloco H`` the optimizer is ``commopt.DiLoCo`` around ``torch.optim.Ada
 hook registered is torch's ``noop_hook``: the inner steps keep each rank's own gradients and
 DiLoCo averages the pseudo-gradient every H steps. (``result.json`` then also records whether
 DiLoCo warned that the ranks ran in lockstep, which they must not.)
+
+Checkpoints: ``--save-at K`` calls ``accelerator.save_state(OUT/step-K)`` after step K, and
+``commopt.save_checkpoint`` beside it (``OUT/step-K/commopt``): ``save_state`` writes the
+optimizer state of the main process alone, and every rank's own error buffers (and, under
+DiLoCo, its weights and inner state between syncs) are ``commopt.save_checkpoint``'s to keep.
+``--resume OUT/step-K`` loads both, in that order, and goes on from step K + 1.
 """
 
 import argparse
+import hashlib
 import json
 import os
 import warnings
@@ -34,6 +41,8 @@ def main() -> None:
     parser.add_argument("--accumulation", type=int, default=2)
     parser.add_argument("--diloco", type=int, default=0, help="H: commopt.DiLoCo around AdamW")
     parser.add_argument("--out", default="acc-run")
+    parser.add_argument("--save-at", type=int, default=0, help="a checkpoint after step K")
+    parser.add_argument("--resume", help="a folder --save-at wrote")
     args = parser.parse_args()
     torch.set_num_threads(1)
 
@@ -52,10 +61,16 @@ def main() -> None:
         else:
             model.register_comm_hook(commopt.ddp.OnebitHookState(opt), commopt.ddp.onebit_hook)
     gen = torch.Generator().manual_seed(1 + accelerator.process_index)
+    step = 0
+    if args.resume:  # accelerate's state, then every rank's own over the main process's
+        accelerator.load_state(args.resume)
+        step = commopt.load_checkpoint(os.path.join(args.resume, "commopt"), model, opt)["step"]
+        for _ in range(step * args.accumulation):  # the batches the saved run had drawn
+            torch.randn(16, 8, generator=gen)
     with warnings.catch_warnings(record=True) as warned:
         warnings.simplefilter("always")
         losses = []
-        for _ in range(args.steps * args.accumulation):
+        for _ in range(step * args.accumulation, args.steps * args.accumulation):
             x = torch.randn(16, 8, generator=gen)
             with accelerator.accumulate(model):
                 loss = torch.nn.functional.mse_loss(model(x), x @ target)
@@ -64,6 +79,11 @@ def main() -> None:
                 wrapped.zero_grad()
             if accelerator.sync_gradients:
                 losses.append(float(loss.detach()))
+                step += 1
+                if step == args.save_at:
+                    folder = os.path.join(args.out, f"step-{step}")
+                    accelerator.save_state(folder)
+                    commopt.save_checkpoint(os.path.join(folder, "commopt"), model, opt, step=step)
 
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     identical, world = True, 1
@@ -83,6 +103,7 @@ def main() -> None:
                     "world_size": world,
                     "comm_stats": stats,
                     "lockstep_warned": any("ran in lockstep" in str(w.message) for w in warned),
+                    "parameters_sha256": hashlib.sha256(flat.numpy().tobytes()).hexdigest(),
                 },
                 f,
                 indent=1,

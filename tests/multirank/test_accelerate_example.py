@@ -44,3 +44,20 @@ def test_accelerate_example_with_diloco_keeps_the_inner_steps_local(tmp_path):
     assert not result["lockstep_warned"]
     stats = result["comm_stats"]
     assert (stats["steps"], stats["syncs"]) == (30, 6)
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["--diloco", "4", "--steps", "32"], ["--freeze-step", "10", "--steps", "30"]],
+    ids=["DiLoCo", "OnebitAdam"],
+)
+def test_a_resume_from_save_state_and_save_checkpoint_is_bit_exact(tmp_path, args):
+    """After step 15 (DiLoCo between syncs, 1-bit Adam in its 1-bit stage) the example saves
+    accelerate's state and commopt.save_checkpoint beside it; the run resumed from there ends
+    with the bits of the run that saved."""
+    saved = run_example_under_torchrun(EXAMPLE, [*args, "--save-at", "15"], tmp_path)
+    folder = tmp_path / "step-15"
+    resumed = run_example_under_torchrun(EXAMPLE, [*args, "--resume", str(folder)], tmp_path)
+    assert saved["replicas_identical"] and resumed["replicas_identical"]
+    assert len(resumed["losses"]) == len(saved["losses"]) - 15
+    assert resumed["parameters_sha256"] == saved["parameters_sha256"]
