@@ -34,6 +34,7 @@ Needs ``pip install lightning`` (``lightning.pytorch``, version 2.4 or newer).
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any
 
 from lightning.pytorch import Callback, LightningModule, Trainer
@@ -123,6 +124,13 @@ class RankStateCheckpoint(Callback):
     ) -> None:
         """Remember the folder; Lightning restores the optimizer after this hook."""
         self._resume_from = checkpoint.get(self.key)
+        if self._resume_from is None:
+            warnings.warn(
+                "commopt.lightning.RankStateCheckpoint: this checkpoint was saved without it; "
+                "the ranks resume from what Lightning loads (rank 0's optimizer state, the "
+                "others' error buffers at zero)",
+                stacklevel=2,
+            )
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Load every rank's own state over what Lightning restored from rank 0's file."""
