@@ -16,6 +16,9 @@ Usage::
     model.register_comm_hook(commopt.ddp.OnebitHookState(optimizer), commopt.ddp.onebit_hook)
     # the training loop is unchanged: backward, optimizer.step(), zero_grad
 
+:func:`register_hook` does that line, and registers torch's ``noop_hook`` for a
+:class:`~commopt.DiLoCo` instead.
+
 What the hook does with a bucket depends on what the optimizer's next step does with each
 parameter (the algorithm's :class:`~commopt.optim._early.EarlyPlan`):
 
@@ -75,7 +78,7 @@ from commopt.optim._early import Kind
 from commopt.optim._early._work import after_ddp_backward
 from commopt.optim.base import CompressedOptimizer
 
-__all__ = ["OnebitHookState", "onebit_hook"]
+__all__ = ["OnebitHookState", "onebit_hook", "register_hook"]
 
 logger = logging.getLogger(__name__)
 
@@ -259,3 +262,44 @@ def onebit_hook(
 
     torch.futures.collect_all([f for f, _ in pending]).add_done_callback(finish)
     return result
+
+
+def register_hook(
+    model: torch.nn.parallel.DistributedDataParallel,
+    optimizer: Any,
+    exchange_in_backward: bool | None = None,
+) -> OnebitHookState | None:
+    """Register the hook ``optimizer`` needs on the DDP ``model``: :func:`onebit_hook` paired
+    with a commopt optimizer, or torch's ``noop_hook`` for a :class:`~commopt.DiLoCo`, whose
+    inner steps must keep each rank's own gradients (it averages the pseudo-gradient itself).
+
+    Args:
+        model: the DistributedDataParallel model (the framework's wrapper, once it exists).
+        optimizer: the commopt optimizer or DiLoCo you built (not a framework's wrapper of it).
+        exchange_in_backward: passed to :class:`OnebitHookState`.
+
+    Returns:
+        The hook's state, or None for DiLoCo.
+
+    Raises:
+        TypeError: ``model`` is not DistributedDataParallel, or ``optimizer`` is neither.
+    """
+    from torch.distributed.algorithms.ddp_comm_hooks.debugging_hooks import noop_hook
+
+    from commopt.diloco import DiLoCo
+
+    if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        raise TypeError(
+            f"register_hook needs a DistributedDataParallel model, got {type(model).__name__}"
+        )
+    if isinstance(optimizer, DiLoCo):
+        model.register_comm_hook(None, noop_hook)
+        return None
+    if not isinstance(optimizer, CompressedOptimizer):
+        raise TypeError(
+            f"register_hook needs a commopt optimizer or DiLoCo, got {type(optimizer).__name__} "
+            "(pass the optimizer you built, not a framework's wrapper of it)"
+        )
+    state = OnebitHookState(optimizer, exchange_in_backward)
+    model.register_comm_hook(state, onebit_hook)
+    return state

@@ -38,11 +38,10 @@ import warnings
 from typing import Any
 
 from lightning.pytorch import Callback, LightningModule, Trainer
-from torch.distributed.algorithms.ddp_comm_hooks.debugging_hooks import noop_hook
 from torch.nn.parallel import DistributedDataParallel
 
 from commopt.checkpoint import load_checkpoint, save_checkpoint
-from commopt.ddp import OnebitHookState, onebit_hook
+from commopt.ddp import OnebitHookState, register_hook
 from commopt.diloco import DiLoCo
 from commopt.optim.base import CompressedOptimizer
 
@@ -74,11 +73,7 @@ class OnebitHookCallback(Callback):
         if not isinstance(model, DistributedDataParallel):
             return
         opt = _the_commopt_optimizer(trainer, "OnebitHookCallback")
-        if isinstance(opt, DiLoCo):
-            model.register_comm_hook(None, noop_hook)
-            return
-        self.state = OnebitHookState(opt, self.exchange_in_backward)
-        model.register_comm_hook(self.state, onebit_hook)
+        self.state = register_hook(model, opt, self.exchange_in_backward)
 
 
 class RankStateCheckpoint(Callback):

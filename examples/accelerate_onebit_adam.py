@@ -29,7 +29,6 @@ import warnings
 import torch
 import torch.distributed as dist
 from accelerate import Accelerator
-from torch.distributed.algorithms.ddp_comm_hooks.debugging_hooks import noop_hook
 
 import commopt
 
@@ -56,10 +55,7 @@ def main() -> None:
         opt = commopt.OnebitAdam(model.parameters(), lr=1e-2, freeze_step=args.freeze_step)
     model, wrapped = accelerator.prepare(model, opt)
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
-        if args.diloco:
-            model.register_comm_hook(None, noop_hook)  # the inner steps stay local
-        else:
-            model.register_comm_hook(commopt.ddp.OnebitHookState(opt), commopt.ddp.onebit_hook)
+        commopt.ddp.register_hook(model, opt)  # for DiLoCo torch's noop_hook: local inner steps
     gen = torch.Generator().manual_seed(1 + accelerator.process_index)
     step = 0
     if args.resume:  # accelerate's state, then every rank's own over the main process's

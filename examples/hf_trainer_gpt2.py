@@ -37,7 +37,6 @@ import os
 
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.ddp_comm_hooks.debugging_hooks import noop_hook
 from torch.nn.parallel import DistributedDataParallel
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
@@ -74,11 +73,8 @@ class CommoptTrainer(Trainer):
 
     def training_step(self, model, inputs, num_items_in_batch=None):  # type: ignore[override]
         if isinstance(model, DistributedDataParallel) and not getattr(model, "_commopt", False):
-            if isinstance(self.commopt_optimizer, commopt.DiLoCo):
-                model.register_comm_hook(None, noop_hook)  # inner steps stay local
-            else:
-                state = commopt.ddp.OnebitHookState(self.commopt_optimizer)
-                model.register_comm_hook(state, commopt.ddp.onebit_hook)
+            # onebit_hook, or for DiLoCo torch's noop_hook: the inner steps stay local
+            commopt.ddp.register_hook(model, self.commopt_optimizer)
             model._commopt = True
         return super().training_step(model, inputs, num_items_in_batch)
 
