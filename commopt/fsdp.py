@@ -46,6 +46,7 @@ from torch.distributed.tensor import DTensor
 
 from commopt.comm import Backend, MpiBackend, TorchBackend
 from commopt.diloco import DiLoCo
+from commopt.diloco.averages import local_shard
 from commopt.faults import watch_like
 from commopt.optim.base import CompressedOptimizer
 from commopt.sharding import Sharding
@@ -359,6 +360,11 @@ def _diloco_key() -> str:
     return f"diloco_rank{dist.get_rank()}_of{dist.get_world_size()}"
 
 
+def _diloco_replica(optimizer: DiLoCo) -> str:
+    """This rank's replica: its rank in DiLoCo's backend, the replicate group."""
+    return f"replica{optimizer.backend.rank}"
+
+
 def _diloco_state_dict(model: nn.Module, optimizer: DiLoCo) -> dict[str, Any]:
     """The model and DiLoCo for DCP. Between syncs each replica's parameters and inner state are
     its own, so they go under ``"replica<i>"``: DCP would otherwise keep one replica's copy of
@@ -375,7 +381,7 @@ def _diloco_state_dict(model: nn.Module, optimizer: DiLoCo) -> dict[str, Any]:
             part = shared if k.startswith("diloco_") else own  # the anchor, the outer momentum
             part.setdefault(i, {})[k] = _as_dtensor(v, params[i])
     return {
-        f"replica{optimizer.backend.rank}": {
+        _diloco_replica(optimizer): {
             "model": model.state_dict(),
             "inner": {"state": own, "param_groups": (sd["param_groups"],)},
         },
@@ -388,7 +394,7 @@ def _load_diloco(path: str, model: nn.Module, optimizer: DiLoCo) -> None:
     import torch.distributed.checkpoint as dcp
 
     state = _diloco_state_dict(model, optimizer)
-    replica = f"replica{optimizer.backend.rank}"
+    replica = _diloco_replica(optimizer)
     saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     if f"ranks.{_diloco_key()}" not in saved:
         raise ValueError(
@@ -432,7 +438,7 @@ def _replicas_agree(optimizer: CompressedOptimizer, own: dict[str, Any]) -> bool
     tensors = list(own["model"].values())
     for entry in own["state"].values():
         tensors += list(entry.values())
-    tensors = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
+    tensors = [local_shard(t) for t in tensors]
     sums = [
         t.detach().contiguous().view(-1).view(torch.uint8).sum(dtype=torch.int64)
         for t in tensors
