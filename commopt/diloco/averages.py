@@ -162,10 +162,13 @@ class OnebitAverage:
 
 
 @torch.no_grad()
-def average_gradients_(backend: Backend, params: list[torch.Tensor]) -> int:
+def average_gradients_(
+    backend: Backend, params: list[torch.Tensor], nonfinite: bool = False
+) -> tuple[int, bool]:
     """Every gradient ← its fp32 mean over ``backend`` (one all-reduce of one flat buffer): the
     data-parallel steps of DiLoCo's warmup (all ranks) and of its islands (the node). Returns
-    the bytes this rank sent.
+    the bytes this rank sent, and whether ``nonfinite`` was true on any rank (GradScaler's
+    verdict, agreed in the same tiny all-reduce as the gradient counts).
 
     Raises:
         ValueError: on every rank of ``backend``, when the ranks hold gradients for different
@@ -173,7 +176,7 @@ def average_gradients_(backend: Backend, params: list[torch.Tensor]) -> int:
     """
     before = backend.stats.snapshot()
     grads = [local_shard(p.grad) for p in params if p.grad is not None]
-    count = torch.tensor([len(grads), -len(grads)], dtype=torch.int64)
+    count = torch.tensor([len(grads), -len(grads), int(nonfinite)], dtype=torch.int64)
     backend.all_reduce(count, "max")
     if int(count[0]) != -int(count[1]):
         raise ValueError(
@@ -188,4 +191,4 @@ def average_gradients_(backend: Backend, params: list[torch.Tensor]) -> int:
         for g in grads:
             g.copy_(flat[offset : offset + g.numel()].view_as(g))
             offset += g.numel()
-    return (backend.stats.snapshot() - before).bytes_sent
+    return (backend.stats.snapshot() - before).bytes_sent, bool(count[2])

@@ -91,6 +91,7 @@ def state_dict(own: Parts) -> dict[str, Any]:
         "step": own.progress.step,
         "syncs": own.progress.syncs,
         "fp32_syncs_run": own.progress.fp32_syncs_run,
+        "skipped": own.progress.skipped,
         "last_sync": list(own.progress.last_sync),
         "bytes": dict(own.progress.bytes),
         "buckets": [dict(state) for frag in own.parts for state in frag.states],
@@ -207,6 +208,7 @@ def load_state_dict(own: Parts, sd: dict[str, Any]) -> None:
     own.progress.step = int(comm["step"])
     own.progress.syncs = int(comm.get("syncs", 0))
     own.progress.fp32_syncs_run = int(comm.get("fp32_syncs_run", 0))
+    own.progress.skipped = int(comm.get("skipped", 0))  # since 2026-11-28
     own.progress.last_sync[:] = [int(t) for t in comm["last_sync"]]
     own.progress.bytes.update({"fp32": 0, **comm.get("bytes", {})})  # "fp32": since 2026-11-28
     own.progress.pending.clear()

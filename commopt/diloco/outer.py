@@ -53,6 +53,7 @@ from commopt.diloco.averages import (
 from commopt.diloco.fragments import Fragment, first_sync_offsets, split_parameters
 from commopt.exchange import build_exchange, discover_topology
 from commopt.exchange.levels import build_level_backends, wants_shared_memory
+from commopt.optim.adam import unscale_grads_
 
 __all__ = ["FP32_START", "OUTER_DEFAULTS", "DiLoCo", "Progress", "default_fp32_syncs"]
 
@@ -78,6 +79,8 @@ class Progress:
     """fragment → (its average in flight, the step after which it is applied)"""
     last_sync: list[int] = dataclasses.field(default_factory=list)
     """per fragment, the step whose pseudo-gradient was last averaged (the warmup's end: W)"""
+    skipped: int = 0
+    """inner steps skipped for an inf/NaN gradient under ``GradScaler`` (they still count)"""
 
 
 #: (outer_lr, outer_momentum) per compression when not given (docs/algorithms/diloco.md)
@@ -343,16 +346,19 @@ class DiLoCo(torch.optim.Optimizer):
         """
         t = self.progress.step + 1
         level = self.backend if t <= self.warmup_steps else self._node_backend
-        if level is not None and closure is not None:
+        if getattr(self, "found_inf", None) is not None:  # inside GradScaler.step (below)
+            loss = self._scaled_inner_step(level)
+        elif level is not None and closure is not None:
             user_closure = closure
 
             def closure() -> Any:
                 loss = user_closure()
                 self._average_gradients(level)
                 return loss
-        elif level is not None:
-            self._average_gradients(level)
-        loss = self.inner.step(closure) if closure is not None else self.inner.step()
+        else:
+            if level is not None:
+                self._average_gradients(level)
+            loss = self.inner.step(closure) if closure is not None else self.inner.step()
         self.progress.step = t
         if t == self.warmup_steps:
             for frag in self.parts:  # identical on every rank after averaged steps
@@ -364,6 +370,39 @@ class DiLoCo(torch.optim.Optimizer):
         for p in self._due(t):
             self._start(p, t)
         return loss
+
+    # GradScaler.step(opt) skips step() on a rank that found an inf, and that rank would then
+    # miss its sync while the others wait in it. With this flag it calls step() on every rank,
+    # with grad_scale and found_inf set, and the inner step is skipped here instead: the step
+    # still counts, so every rank syncs at the same calls.
+    _step_supports_amp_scaling = True
+
+    def _scaled_inner_step(self, level: Backend | None) -> Any:
+        """The inner step under ``GradScaler.step``: the gradients unscaled by this rank's own
+        scale, and the inner step skipped where they hold an inf/NaN: on this rank alone (its
+        own data), or, where the gradients are averaged first (warmup, islands), on every rank
+        that averaged them. A fused torch optimizer or a commopt one unscales and skips itself.
+        On FSDP2 shards GradScaler's own check of the DTensor gradients already agrees over
+        the shard group, so a replica skips whole."""
+        scale, found_inf = getattr(self, "grad_scale", None), self.found_inf
+        skip = bool(found_inf.sum() > 0)
+        if level is not None:  # unscaled before averaging: each rank's scale is its own
+            if scale is not None:
+                unscale_grads_(self._params, scale)
+                scale = None
+            skip = self._average_gradients(level, skip)  # an inf on any rank: everyone skips
+            found_inf = torch.full_like(found_inf, float(skip))
+        self.progress.skipped += int(skip)
+        inner: Any = self.inner
+        if getattr(inner, "_step_supports_amp_scaling", False):
+            inner.grad_scale, inner.found_inf = scale, found_inf
+            try:
+                return inner.step()
+            finally:
+                del inner.grad_scale, inner.found_inf
+        if scale is not None:
+            unscale_grads_(self._params, scale)
+        return None if skip else inner.step()
 
     def _due(self, t: int) -> list[int]:
         s = t - self.warmup_steps
@@ -415,9 +454,10 @@ class DiLoCo(torch.optim.Optimizer):
     def _apply(self, p: int, average: torch.Tensor) -> None:
         self.parts[p].outer_step_(average, self.outer_lr, self.outer_momentum, self.nesterov)
 
-    def _average_gradients(self, backend: Backend) -> None:
-        sent = average_gradients_(backend, self._params)
+    def _average_gradients(self, backend: Backend, nonfinite: bool = False) -> bool:
+        sent, nonfinite = average_gradients_(backend, self._params, nonfinite)
         self.progress.bytes["warmup" if backend is self.backend else "local"] += sent
+        return nonfinite
 
     def finish(self) -> None:
         """End of training: apply every delayed sync now, then sync every fragment that has
@@ -438,7 +478,9 @@ class DiLoCo(torch.optim.Optimizer):
     def comm_stats(self) -> dict[str, Any]:
         """What this rank sent (modelled bytes, SPEC §7's cost model).
 
-        ``syncs``: fragment averages run, ``syncs_at_fp32`` of them by ``fp32_syncs``;
+        ``steps``: inner steps counted, ``skipped_steps`` of them skipped on this rank for an
+        inf/NaN gradient under ``GradScaler``; ``syncs``: fragment averages run,
+        ``syncs_at_fp32`` of them by ``fp32_syncs``;
         ``bytes_sent``: the syncs and the warmup on the global (or cross-node) level, of which
         ``sync_bytes`` the syncs and ``fp32_sync_bytes`` the first ``fp32_syncs`` of them;
         ``local_bytes``: inside the node (``topology="hierarchical"``);
@@ -454,6 +496,7 @@ class DiLoCo(torch.optim.Optimizer):
         stage = self.progress.step - self.warmup_steps - self.fp32_syncs * self.sync_every
         return {
             "steps": self.progress.step,
+            "skipped_steps": self.progress.skipped,
             "syncs": self.progress.syncs,
             "syncs_at_fp32": self.progress.fp32_syncs_run,
             "parameters": numel,

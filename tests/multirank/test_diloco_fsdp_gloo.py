@@ -6,8 +6,9 @@ pseudo-gradient with the ranks holding the same shard (``backend`` over the repl
 The same computation on whole parameters: DiLoCo over the replicate group, each rank taking
 its island's two batches at once. Close but not bit for bit: FSDP2 averages two gradients by a
 reduce-scatter where the reference differentiates the mean loss of both batches. Also: the
-refusals of a wrong group or topology, and a resume mid-interval from the state dict in memory
-and through DCP (commopt.fsdp.save_checkpoint), bit-exact."""
+refusals of a wrong group or topology, a resume mid-interval from the state dict in memory
+and through DCP (commopt.fsdp.save_checkpoint), bit-exact, and GradScaler with an inf in one
+shard."""
 
 from __future__ import annotations
 
@@ -204,3 +205,49 @@ def test_a_dcp_resume_is_bit_exact_and_another_mesh_is_refused(tmp_path) -> None
     assert all(run_ranks(_resume, 4, path, timeout=TIMEOUT))
     for message in run_ranks(_other_mesh, 2, path, timeout=TIMEOUT):
         assert message is not None and "resumes at the mesh it was saved at" in message
+
+
+def _scaled(backend, warmup: int, use_scaler: bool):
+    """2H steps; with ``use_scaler`` through GradScaler with an inf in rank 0's shard at step 3,
+    else plain, with the gradients dropped where that inf skips the inner step: replica 0 (ranks
+    0 and 1) without warmup, every rank within it."""
+    del backend
+    rank = dist.get_rank()
+    model, mesh = _sharded()
+    replicate = commopt.TorchBackend(mesh.get_group("replicate"))
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt = commopt.DiLoCo(inner, sync_every=H, fp32_syncs=1, warmup_steps=warmup, backend=replicate)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)  # a power of 2: unscaling is exact
+    for step in range(1, 2 * H + 1):
+        x, y = _batch(rank, step)
+        loss = ((model(x) - y) ** 2).mean()
+        if use_scaler:
+            scaler.scale(loss).backward()
+            if step == 3 and rank == 0:
+                next(model.parameters()).grad.to_local()[0, 0] = float("inf")
+            scaler.step(opt)
+            scaler.update()
+        else:
+            loss.backward()
+            if step == 3 and (warmup or rank < 2):
+                opt.zero_grad()
+            opt.step()
+        opt.zero_grad()
+    shard = torch.cat([p.to_local().detach().reshape(-1) for p in model.parameters()])
+    return shard, opt.comm_stats()["skipped_steps"], scaler.get_scale()
+
+
+def test_grad_scaler_skips_the_inner_step_of_the_whole_replica_that_overflowed() -> None:
+    """One shard's inf: GradScaler's check of the DTensor gradients agrees over the shard group,
+    so the replica skips whole (both its shards); during warmup, where the replicas average
+    gradients, every rank skips. Bit for bit the run that dropped those inner steps."""
+    for warmup, skips in ((0, [1, 1, 0, 0]), (H, [1, 1, 1, 1])):
+        scaled = run_ranks(_scaled, 4, warmup, True, timeout=TIMEOUT)
+        plain = run_ranks(_scaled, 4, warmup, False, timeout=TIMEOUT)
+        for rank, ((shard, skipped, scale), (expected, _, _)) in enumerate(
+            zip(scaled, plain, strict=True)
+        ):
+            assert torch.equal(shard, expected), (warmup, rank)
+            assert skipped == skips[rank], (warmup, rank, skipped)
+            assert scale == (2.0**9 if rank < 2 else 2.0**10)  # replica 0 saw the inf
+        assert torch.equal(scaled[0][0], scaled[2][0])  # step 2H is a sync either way

@@ -1,7 +1,7 @@
 """commopt.DiLoCo on forked gloo ranks: the device matrix on CPU, the outer loop against a
 hand-written one (torch's own SGD as the outer optimizer), hierarchical islands, the traffic
-bound at 2, 4 and 8 ranks, non-finite pseudo-gradients, ranks that disagree, and a resume
-through checkpoint files."""
+bound at 2, 4 and 8 ranks, non-finite pseudo-gradients, fp16 loss scaling with an overflow on
+one rank, ranks that disagree, and a resume through checkpoint files."""
 
 from __future__ import annotations
 
@@ -34,6 +34,7 @@ def _model(width: int = 20) -> torch.nn.Module:
 def _loss(model: torch.nn.Module, rank: int, step: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(1000 * step + rank)
     x = torch.randn(16, 6, generator=g) + 0.3 * rank  # every rank its own distribution
+    x = x.to(next(model.parameters()).device)
     return ((model(x) - x[:, :3].cos()) ** 2).mean()
 
 
@@ -245,6 +246,76 @@ def test_a_non_finite_pseudo_gradient_raises_on_every_rank_and_changes_no_outer_
     for message, unchanged in run_ranks(_non_finite, 3, compression, 1, timeout=TIMEOUT):
         assert message is not None and "rank(s) [1]" in message
         assert unchanged
+
+
+# -- fp16 loss scaling: GradScaler.step(opt) with an inf on one rank ----------------------------
+#: setup → DiLoCo's keywords, the inner optimizer's, and whether the gradients are averaged over
+#: every rank before the inner step (then an inf anywhere skips the step everywhere)
+SCALED = {
+    "flat, onebit": ({"compression": "onebit", "fp32_syncs": 1}, {}, False),
+    "flat, none": ({"compression": "none"}, {}, False),
+    "flat, unscale_ first": ({"compression": "onebit", "fp32_syncs": 1}, {}, False),
+    "flat, fused Adam": ({"compression": "onebit", "fp32_syncs": 1}, {"fused": True}, False),
+    "warmup": ({"compression": "onebit", "warmup_steps": 8}, {}, True),
+    "islands": ({"compression": "onebit", "topology": "hierarchical"}, {}, True),
+}
+BAD = {3: 0, H: 1}  # step → the rank whose gradient overflows (step H syncs)
+
+
+def scaled_run(backend, setup: str, use_scaler: bool, device: str = "cpu"):
+    """12 steps; with ``use_scaler`` through GradScaler with an inf where BAD says, else plain,
+    with the gradients dropped where that inf would skip the inner step (the reference)."""
+    os.environ.update(LOCAL_RANK=str(backend.rank), LOCAL_WORLD_SIZE="2", GROUP_RANK="0")
+    kw, inner_kw, averaged = SCALED[setup]
+    model = _model().to(device)
+    inner = torch.optim.Adam(model.parameters(), lr=1e-2, **inner_kw)
+    opt = commopt.DiLoCo(inner, sync_every=H, **kw)
+    scaler = torch.amp.GradScaler(device, init_scale=2.0**10)  # a power of 2: exact unscaling
+    for step in range(1, 13):
+        loss = _loss(model, backend.rank, step)
+        bad = BAD.get(step) == backend.rank
+        if use_scaler:
+            scaler.scale(loss).backward()
+            if bad:
+                next(model.parameters()).grad[0, 0] = float("inf")
+            if setup == "flat, unscale_ first":
+                scaler.unscale_(opt)
+            scaler.step(opt)
+            scaler.update()
+        else:
+            loss.backward()
+            if bad or (averaged and step in BAD):
+                opt.zero_grad()  # no gradient: the inner step is a no-op
+            opt.step()
+        opt.zero_grad()
+    return _flat(model).cpu(), opt.comm_stats()["skipped_steps"], scaler.get_scale()
+
+
+def check_scaled(setup: str, scaled: list, plain: list) -> None:
+    """:func:`scaled_run`'s two runs on 2 ranks: the same bits, the skips and scales expected."""
+    averaged = SCALED[setup][2]
+    for rank, ((weights, skipped, scale), (expected, _, _)) in enumerate(
+        zip(scaled, plain, strict=True)
+    ):
+        assert torch.equal(weights, expected), rank
+        own = sum(r == rank for r in BAD.values())
+        assert skipped == (len(BAD) if averaged else own), (rank, skipped)
+        assert scale == 2.0**10 / 2**own  # the scale backs off where the inf was seen
+    # islands of one node of two ranks average every step; the others are between syncs
+    assert torch.equal(scaled[0][0], scaled[1][0]) == (setup == "islands")
+
+
+@pytest.mark.parametrize("setup", list(SCALED))
+def test_grad_scaler_skips_an_overflowing_ranks_inner_step_and_keeps_every_rank_on_schedule(
+    setup,
+) -> None:
+    # Without _step_supports_amp_scaling, GradScaler skips step() on the rank that found the
+    # inf, which then misses its sync: the other rank waits in it for ever. Here every rank
+    # calls step(), the overflowing inner step alone is skipped (on every rank when the
+    # gradients were averaged first), and the run is bit for bit the one that dropped it.
+    scaled = run_ranks(scaled_run, 2, setup, True, timeout=TIMEOUT)
+    plain = run_ranks(scaled_run, 2, setup, False, timeout=TIMEOUT)
+    check_scaled(setup, scaled, plain)
 
 
 def _disagree(backend):
