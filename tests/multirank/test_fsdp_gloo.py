@@ -408,3 +408,60 @@ def test_clear_errors() -> None:
     assert set(errors) == set(expected), errors
     for key, (kind, text) in expected.items():
         assert errors[key][0] == kind and text in errors[key][1], (key, errors[key])
+
+
+SCALER_FREEZE, SCALER_CALLS = 3, 10
+SCALER_INF = {2: 0, 6: 3}  # step → the rank whose shard overflows: in warmup, then compressed
+
+
+def _scaled(backend, name: str, use_scaler: bool):
+    """SCALER_CALLS steps on 2 × 2; with ``use_scaler`` through GradScaler with an inf where
+    SCALER_INF says, else plain, every rank's gradients dropped at those steps (the reference:
+    a step without gradients is no step)."""
+    import commopt.fsdp
+
+    del backend
+    warnings.simplefilter("ignore")  # the skip's warning
+    rank = dist.get_rank()
+    model, mesh = _sharded(_mlp(), 2, 2)
+    opt = BY_NAME[name].make(list(model.parameters()), freeze=SCALER_FREEZE)
+    sharding = commopt.fsdp.attach(model, opt, mesh)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)  # a power of 2: exact unscaling
+    for step in range(1, SCALER_CALLS + 1):
+        x, y = _batch(step)
+        loss = ((model(x) - y) ** 2).mean()
+        if use_scaler:
+            scaler.scale(loss).backward()
+            if SCALER_INF.get(step) == rank:
+                next(model.parameters()).grad.to_local()[0, 0] = float("inf")
+            scaler.step(opt)
+            scaler.update()
+        else:
+            loss.backward()
+            if step in SCALER_INF:
+                opt.zero_grad()
+            opt.step()
+        opt.zero_grad()
+    local = torch.cat([p.to_local().detach().reshape(-1) for p in model.parameters()])
+    skipped = opt.comm_stats()["skipped_steps"]
+    return local, skipped, scaler.get_scale(), _same_across_replicas(model, sharding)
+
+
+@pytest.mark.parametrize("name", list(BY_NAME))
+def test_grad_scaler_with_an_inf_in_one_shard_skips_the_step_on_every_rank(name) -> None:
+    """An overflow in one rank's shard, once in warmup and once in the compression stage: every
+    rank skips the step (commopt agrees on non-finite gradients over the whole mesh), bit for
+    bit the run that dropped those steps; the replicas stay identical, and each rank's scale
+    backs off where GradScaler saw the inf (its shard group)."""
+    scaled = run_ranks(_scaled, 4, name, True, timeout=TIMEOUT)
+    plain = run_ranks(_scaled, 4, name, False, timeout=TIMEOUT)
+    taken = SCALER_CALLS - len(SCALER_INF)
+    assert BY_NAME[name].communicates(taken, SCALER_FREEZE)  # so the replicas agree at the end
+    for rank, ((local, skipped, scale, same), (expected, *_)) in enumerate(
+        zip(scaled, plain, strict=True)
+    ):
+        assert torch.equal(local, expected), rank
+        assert skipped == len(SCALER_INF), (rank, skipped)
+        group = {r // 2 for r in SCALER_INF.values()}  # the shard groups that saw an inf
+        assert scale == (2.0**9 if rank // 2 in group else 2.0**10), (rank, scale)
+        assert same, rank
