@@ -33,10 +33,13 @@ Needs ``pip install lightning`` (``lightning.pytorch``, version 2.4 or newer).
 
 from __future__ import annotations
 
+import collections
 import os
+import shutil
 import warnings
 from typing import Any
 
+import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from torch.nn.parallel import DistributedDataParallel
 
@@ -92,27 +95,52 @@ class RankStateCheckpoint(Callback):
         trainer = pl.Trainer(strategy="ddp", callbacks=[OnebitHookCallback(),
                                                         RankStateCheckpoint()])
 
+    Each save writes a folder of its own (``step-<N>``, then ``step-<N>-2`` for a second save at
+    the same step, such as ``last.ckpt``'s), and a folder goes when Lightning deletes the
+    checkpoint that names it: on every save and at the end of ``fit``, rank 0 reads which
+    folder each checkpoint file in a ``ModelCheckpoint``'s ``dirpath`` names, and removes the
+    folders that a file it read named and none names now (a checkpoint ``save_top_k`` dropped,
+    or a ``last.ckpt`` overwritten). A folder named by a checkpoint saved elsewhere
+    (``trainer.save_checkpoint(path)``) is never removed.
+
     Args:
         dirpath: where the per-rank folders go; ``None``: ``<default_root_dir>/commopt-state``.
-            Every rank must see it (one machine, or a shared file system). Lightning's
-            ``save_top_k`` does not prune these folders.
+            Every rank must see it (one machine, or a shared file system).
+        prune: remove the folders as above; ``False`` keeps every one.
     """
 
     key = "commopt_rank_state"
 
-    def __init__(self, dirpath: str | os.PathLike[str] | None = None) -> None:
+    def __init__(self, dirpath: str | os.PathLike[str] | None = None, prune: bool = True) -> None:
         self.dirpath = dirpath
+        self.prune = prune
         self._resume_from: str | None = None
+        self._named = _NamedFolders()
+        self._saves: collections.Counter[int] = collections.Counter()  # saves per global step
+
+    def _root(self, trainer: Trainer) -> str:
+        if self.dirpath is not None:
+            return os.fspath(self.dirpath)
+        return os.path.join(trainer.default_root_dir, "commopt-state")
 
     def on_save_checkpoint(
         self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]
     ) -> None:
         """Save every rank's state (Lightning calls this on every rank) and record where."""
-        root = self.dirpath if self.dirpath is not None else trainer.default_root_dir
-        sub = "" if self.dirpath is not None else "commopt-state"
-        path = os.path.join(root, sub, f"step-{trainer.global_step}")
+        step = trainer.global_step
+        self._saves[step] += 1  # (every rank counts alike) a folder per save, never shared:
+        again = f"-{self._saves[step]}" if self._saves[step] > 1 else ""  # (e.g. last.ckpt)
+        path = os.path.join(self._root(trainer), f"step-{step}{again}")
         save_checkpoint(path, pl_module, _the_commopt_optimizer(trainer, "RankStateCheckpoint"))
         checkpoint[self.key] = path
+        if self.prune and trainer.is_global_zero:
+            self._named.prune(trainer, self.key, self._root(trainer), keep=path)
+
+    def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Remove what the last save's clean-up left unnamed (ModelCheckpoint deletes the old
+        files after writing the new one, so after this callback's last ``on_save_checkpoint``)."""
+        if self.prune and trainer.is_global_zero:
+            self._named.prune(trainer, self.key, self._root(trainer), keep=None)
 
     def on_load_checkpoint(
         self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]
@@ -133,6 +161,42 @@ class RankStateCheckpoint(Callback):
             opt = _the_commopt_optimizer(trainer, "RankStateCheckpoint")
             load_checkpoint(self._resume_from, pl_module, opt)
             self._resume_from = None
+
+
+class _NamedFolders:
+    """Which per-rank folder each Lightning checkpoint file names, as read by rank 0."""
+
+    def __init__(self) -> None:
+        self.files: dict[str, tuple[float, str | None]] = {}  # file → (its mtime, its folder)
+        self.seen: set[str] = set()  # folders some file was read to name
+
+    def prune(self, trainer: Trainer, key: str, root: str, keep: str | None) -> None:
+        """Read the new or rewritten checkpoint files; remove the folders under ``root`` that a
+        file read named and none names now (nothing, if a file cannot be read yet)."""
+        present = set()
+        for callback in trainer.checkpoint_callbacks:
+            folder = getattr(callback, "dirpath", None)
+            if folder and os.path.isdir(folder):
+                ext = getattr(callback, "FILE_EXTENSION", ".ckpt")
+                present |= {os.path.join(folder, f) for f in os.listdir(folder) if f.endswith(ext)}
+        for file in present:
+            mtime = os.path.getmtime(file)
+            if self.files.get(file, (None,))[0] != mtime:
+                try:
+                    named = torch.load(file, map_location="cpu", weights_only=False, mmap=True)
+                except Exception:  # being written, or not a checkpoint: decide next time
+                    return
+                self.files[file] = (mtime, named.get(key) if isinstance(named, dict) else None)
+        for file in set(self.files) - present:
+            del self.files[file]
+        named_now = {folder for _, folder in self.files.values() if folder is not None}
+        self.seen |= named_now
+        real_root = os.path.realpath(root)
+        for folder in sorted(self.seen - named_now - {keep}):
+            self.seen.discard(folder)
+            inside = os.path.commonpath([os.path.realpath(folder), real_root]) == real_root
+            if inside and os.path.isdir(folder):
+                shutil.rmtree(folder)
 
 
 def _the_commopt_optimizer(trainer: Trainer, who: str) -> CompressedOptimizer | DiLoCo:

@@ -1,15 +1,22 @@
 """The Lightning callbacks: OnebitHookCallback refuses a module without exactly one commopt
-optimizer; RankStateCheckpoint refuses one too, and warns of a checkpoint saved without it."""
+optimizer; RankStateCheckpoint refuses one too, warns of a checkpoint saved without it, and
+removes its folders with the checkpoints that name them (a real one-process fit on CPU)."""
 
 from __future__ import annotations
 
+import os
 import types
 
 import pytest
 import torch
+from torch.utils.data import DataLoader, TensorDataset
 
 pytest.importorskip("lightning", reason="needs Lightning: pip install 'commopt[lightning]'")
 
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+import commopt
 from commopt.lightning import OnebitHookCallback, RankStateCheckpoint
 
 
@@ -49,3 +56,74 @@ def test_a_checkpoint_saved_without_rank_state_is_warned_of_and_nothing_is_loade
     with pytest.warns(UserWarning, match="this checkpoint was saved without it"):
         callback.on_load_checkpoint(trainer_with(), None, {"state_dict": {}})
     callback.on_train_start(trainer_with(), None)  # nothing to load: no optimizer looked up
+
+
+class _Tiny(LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 1)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return ((self.layer(x) - y) ** 2).mean()
+
+    def configure_optimizers(self):
+        return commopt.OnebitAdam(self.parameters(), lr=1e-2, freeze_step=2)
+
+
+def _fit(tmp_path, steps: int, callbacks: list, ckpt_path=None) -> Trainer:
+    torch.manual_seed(0)
+    data = DataLoader(TensorDataset(torch.randn(4 * steps, 4), torch.randn(4 * steps, 1)), 4)
+    trainer = Trainer(
+        max_epochs=1,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+        callbacks=callbacks,
+    )
+    trainer.fit(_Tiny(), data, ckpt_path=ckpt_path)
+    return trainer
+
+
+def _folders(root) -> list[str]:
+    return sorted(p.name for p in (root / "commopt-state").iterdir())
+
+
+def test_rank_state_folders_go_with_the_checkpoints_that_name_them(tmp_path) -> None:
+    """save_top_k=2 every 2 steps plus last.ckpt: the folders of the dropped checkpoints and of
+    the overwritten last.ckpt go; the folder of a checkpoint saved by hand outside the
+    ModelCheckpoint's dirpath stays, and a run resumes from it."""
+    saver = ModelCheckpoint(
+        dirpath=tmp_path / "ckpt",
+        every_n_train_steps=2,
+        save_top_k=2,
+        monitor="step",
+        mode="max",
+        save_last=True,
+    )
+
+    class ByHand(Callback):
+        def on_train_batch_end(self, trainer, *args) -> None:
+            if trainer.global_step == 4:  # the step a ModelCheckpoint file also names
+                trainer.save_checkpoint(tmp_path / "by-hand.ckpt")
+
+    _fit(tmp_path, 10, [RankStateCheckpoint(), saver, ByHand()])
+    files = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
+    assert files == ["epoch=0-step=10.ckpt", "epoch=0-step=8.ckpt", "last.ckpt"]
+    named = {
+        torch.load(tmp_path / f, weights_only=False)[RankStateCheckpoint.key]
+        for f in ["by-hand.ckpt", *(f"ckpt/{name}" for name in files)]
+    }
+    assert sorted(os.path.basename(f) for f in named) == _folders(tmp_path)
+    # (Lightning runs ModelCheckpoint after the other callbacks: the save by hand came first)
+    assert _folders(tmp_path) == ["step-10", "step-10-2", "step-4", "step-8"]
+    _fit(tmp_path / "again", 10, [RankStateCheckpoint()], ckpt_path=tmp_path / "by-hand.ckpt")
+
+
+def test_prune_false_keeps_every_folder(tmp_path) -> None:
+    saver = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=1)
+    _fit(tmp_path, 6, [RankStateCheckpoint(prune=False), saver])
+    assert _folders(tmp_path) == ["step-2", "step-4", "step-6"]
