@@ -23,7 +23,8 @@ With :class:`commopt.DiLoCo` from ``configure_optimizers`` the callback register
 ``noop_hook`` instead: the inner steps keep each rank's own gradients and DiLoCo averages the
 pseudo-gradient every H steps. (``DDPStrategy(ddp_comm_hook=noop_hook)`` would do the same on
 CUDA, but Lightning registers a strategy's hook only on CUDA devices; on CPU it is dropped and
-DDP averages every step, which DiLoCo then warns of at its first sync.)
+DDP averages every step, which DiLoCo then warns of at its first sync.) At ``on_train_end`` it
+calls ``DiLoCo.finish()``, so ``fit`` leaves one synced model on every rank.
 
 :class:`RankStateCheckpoint` adds every rank's own optimizer state to Lightning's checkpoints,
 which hold rank 0's alone, and loads it back on resume.
@@ -54,7 +55,7 @@ __all__ = ["OnebitHookCallback", "RankStateCheckpoint"]
 class OnebitHookCallback(Callback):
     """Registers :func:`commopt.ddp.onebit_hook` on Lightning's DDP model at ``on_fit_start``,
     paired with the module's one commopt optimizer; for a :class:`~commopt.DiLoCo`, torch's
-    ``noop_hook`` (the gradients stay local).
+    ``noop_hook`` (the gradients stay local), and ``finish()`` at ``on_train_end``.
 
     Args:
         exchange_in_backward: passed to :class:`~commopt.ddp.OnebitHookState` (``None``, the
@@ -77,6 +78,16 @@ class OnebitHookCallback(Callback):
             return
         opt = _the_commopt_optimizer(trainer, "OnebitHookCallback")
         self.state = register_hook(model, opt, self.exchange_in_backward)
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """For a :class:`~commopt.DiLoCo`: :meth:`~commopt.DiLoCo.finish` (collective), so the
+        model that ``fit`` leaves on every rank is the one model, synced, whatever step it
+        ended at."""
+        if not isinstance(trainer.strategy.model, DistributedDataParallel):
+            return
+        opt = _the_commopt_optimizer(trainer, "OnebitHookCallback")
+        if isinstance(opt, DiLoCo):
+            opt.finish()
 
 
 class RankStateCheckpoint(Callback):

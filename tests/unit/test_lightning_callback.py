@@ -127,3 +127,18 @@ def test_prune_false_keeps_every_folder(tmp_path) -> None:
     saver = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=1)
     _fit(tmp_path, 6, [RankStateCheckpoint(prune=False), saver])
     assert _folders(tmp_path) == ["step-2", "step-4", "step-6"]
+
+
+def test_under_ddp_a_diloco_is_finished_at_the_end_of_fit() -> None:
+    from commopt.comm import SingleProcessBackend
+
+    model = torch.nn.Linear(2, 2)
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = commopt.DiLoCo(inner, sync_every=4, backend=SingleProcessBackend())
+    for _ in range(6):  # two steps past the sync at 4
+        model(torch.ones(1, 2)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    assert opt.progress.last_sync == [4]
+    OnebitHookCallback().on_train_end(trainer_with(opt), None)
+    assert opt.progress.last_sync == [6] and opt.comm_stats()["syncs"] == 2
