@@ -78,18 +78,18 @@ LOCKSTEP_MESSAGE = (
 
 def warn_if_in_lockstep(backend: Backend, delta: torch.Tensor) -> bool:
     """Warn (``UserWarning``, on every rank) when every rank's ``delta`` holds the same bits and
-    is not all zero; return whether it did. One all-gather of two int64 per rank: the sum of the
-    elements' bit patterns and the count of nonzero elements, a digest (ranks whose digests
-    collide without equal bits would be warned wrongly; nothing else changes)."""
+    is finite and not all zero; return whether it did. One all-gather of three int64 per rank:
+    the sum of the elements' bit patterns, the count of nonzero elements and whether all are
+    finite, a digest (ranks whose digests collide without equal bits would be warned wrongly;
+    nothing else changes). Identical NaNs are no lockstep: the sync raises
+    :class:`~commopt.compressed.NonFiniteError` next."""
     n = backend.world_size
     if n == 1:
         return False
     bits = delta.view(torch.int32)
-    rows = _rows(
-        backend,
-        torch.stack([bits.sum(dtype=torch.int64), torch.count_nonzero(bits).to(torch.int64)]),
-    )
-    if rows[0][1] > 0 and all(row == rows[0] for row in rows):
+    digest = [bits.sum(dtype=torch.int64), torch.count_nonzero(bits), delta.isfinite().all()]
+    rows = _rows(backend, torch.stack([d.to(torch.int64) for d in digest]))
+    if rows[0][1] > 0 and rows[0][2] == 1 and all(row == rows[0] for row in rows):
         warnings.warn(LOCKSTEP_MESSAGE.format(n=n), UserWarning, stacklevel=4)
         return True
     return False

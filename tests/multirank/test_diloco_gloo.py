@@ -318,6 +318,30 @@ def test_grad_scaler_skips_an_overflowing_ranks_inner_step_and_keeps_every_rank_
     check_scaled(setup, scaled, plain)
 
 
+def _nan_everywhere(backend):
+    model = _model()
+    opt = commopt.DiLoCo(torch.optim.Adam(model.parameters(), lr=1e-2), sync_every=2)
+    _loss(model, backend.rank, 1).backward()
+    opt.step()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(float("nan"))  # every rank the same NaNs, as an fp16 model's overflow gives
+    _loss(model, backend.rank, 2).backward()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            opt.step()
+        except commopt.NonFiniteError as err:
+            return str(err), [str(w.message) for w in caught]
+    return None, []
+
+
+def test_identical_nans_at_the_first_sync_raise_without_a_lockstep_warning() -> None:
+    for message, warned in run_ranks(_nan_everywhere, 2, timeout=TIMEOUT):
+        assert message is not None and "rank(s) [0, 1]" in message
+        assert not any("lockstep" in w for w in warned), warned
+
+
 def _disagree(backend):
     model = _model()
     every = 10 if backend.rank == 2 else 20
