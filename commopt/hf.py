@@ -12,6 +12,9 @@ between syncs. :class:`RankStateCheckpoint` adds each rank's own::
                       callbacks=[RankStateCheckpoint()])
     trainer.train(resume_from_checkpoint=...)      # resumes bit for bit
 
+:class:`FinishDiLoCo` ends a :class:`commopt.DiLoCo` run with its last sync, so that the model
+the Trainer leaves and saves is the one synced model.
+
 Needs ``pip install transformers`` (``pip install 'commopt[hf]'``). The DDP hook is registered
 as in examples/hf_trainer_gpt2.py.
 """
@@ -29,7 +32,24 @@ from commopt.checkpoint import load_checkpoint, save_checkpoint
 from commopt.diloco import DiLoCo
 from commopt.optim.base import CompressedOptimizer
 
-__all__ = ["RankStateCheckpoint"]
+__all__ = ["FinishDiLoCo", "RankStateCheckpoint"]
+
+
+def _commopt_optimizer(opt: Any) -> Any:
+    return getattr(opt, "optimizer", opt)  # accelerate's AcceleratedOptimizer wraps ours
+
+
+class FinishDiLoCo(TrainerCallback):
+    """Calls :meth:`commopt.DiLoCo.finish` at ``on_train_end`` (collective; the Trainer calls
+    it on every rank): the last sync of any inner steps since the previous one, so the model
+    that ``trainer.train()`` leaves, and ``trainer.save_model()`` writes, is the one synced
+    model on every rank, whatever step training ended at. Does nothing for other optimizers."""
+
+    def on_train_end(self, args, state, control, **kwargs):  # type: ignore[override]
+        """``finish()`` the Trainer's DiLoCo."""
+        opt = _commopt_optimizer(kwargs.get("optimizer"))
+        if isinstance(opt, DiLoCo):
+            opt.finish()
 
 
 class RankStateCheckpoint(TrainerCallback):
@@ -58,7 +78,7 @@ class RankStateCheckpoint(TrainerCallback):
     ) -> tuple[torch.nn.Module, CompressedOptimizer | DiLoCo]:
         model = self.model if self.model is not None else kwargs["model"]
         opt = self.optimizer if self.optimizer is not None else kwargs.get("optimizer")
-        opt = getattr(opt, "optimizer", opt)  # accelerate's AcceleratedOptimizer wraps ours
+        opt = _commopt_optimizer(opt)
         if not isinstance(opt, (CompressedOptimizer, DiLoCo)):
             raise TypeError(
                 "commopt.hf.RankStateCheckpoint: the Trainer's optimizer is "

@@ -21,7 +21,8 @@ communicate, so ``CommoptTrainer`` registers torch's ``noop_hook`` on the DDP mo
 keeps its own gradients, and every H steps DiLoCo averages the pseudo-gradient. DiLoCo is
 built after ``TrainingArguments``, which starts the process group under ``torchrun``, since
 building it is collective. ``result.json`` then also says, for the step before each sync,
-whether the ranks' parameters differed (they must: the gradients stayed local).
+whether the ranks' parameters differed (they must: the gradients stayed local), and
+``commopt.hf.FinishDiLoCo`` ends the run with a last sync, so it leaves one model.
 
 Checkpoints: ``--save-steps N`` saves every N steps, ``--resume OUT/checkpoint-<step>`` resumes.
 The Trainer keeps rank 0's optimizer state alone; ``commopt.hf.RankStateCheckpoint`` adds each
@@ -41,7 +42,7 @@ from torch.nn.parallel import DistributedDataParallel
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
 import commopt
-from commopt.hf import RankStateCheckpoint
+from commopt.hf import FinishDiLoCo, RankStateCheckpoint
 
 VOCAB, LENGTH = 64, 32
 
@@ -161,12 +162,10 @@ def main() -> None:
         args=training_args,
         train_dataset=CountingDataset(4096),
         optimizers=(opt, sched),
-        callbacks=[log, RankStateCheckpoint()],
+        callbacks=[log, RankStateCheckpoint(), FinishDiLoCo()],  # (a last sync: one model)
         commopt_optimizer=opt,
     )
     trainer.train(resume_from_checkpoint=args.resume)
-    if args.diloco:
-        opt.finish()  # a last sync of any steps since the last one: one model on every rank
 
     identical = _replicas_identical(model)
     if not dist.is_initialized() or dist.get_rank() == 0:

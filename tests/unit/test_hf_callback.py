@@ -1,5 +1,6 @@
-"""commopt.hf.RankStateCheckpoint outside a Trainer run: its refusals and its warning (the
-bit-exact resume it gives is tests/multirank/test_hf_trainer.py)."""
+"""commopt.hf's callbacks outside a Trainer run: RankStateCheckpoint's refusals and its warning
+(the bit-exact resume it gives is tests/multirank/test_hf_trainer.py); FinishDiLoCo's last
+sync."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from commopt.comm import SingleProcessBackend
 
 pytest.importorskip("transformers", reason="needs the [hf] extra")
 
-from commopt.hf import RankStateCheckpoint
+from commopt.hf import FinishDiLoCo, RankStateCheckpoint
 
 
 def test_an_optimizer_that_is_not_commopts_is_refused():
@@ -32,3 +33,17 @@ def test_a_resume_without_the_folder_warns_and_keeps_what_the_trainer_loaded(tmp
     with pytest.warns(UserWarning, match=r"no .*checkpoint-7.*commopt; the ranks resume from"):
         RankStateCheckpoint().on_train_begin(args, state, None, model=model, optimizer=opt)
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+def test_finish_diloco_syncs_the_steps_since_the_last_sync_and_ignores_other_optimizers():
+    model = torch.nn.Linear(2, 2)
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = commopt.DiLoCo(inner, sync_every=4, backend=SingleProcessBackend())
+    for _ in range(6):  # two steps past the sync at 4
+        model(torch.ones(1, 2)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    wrapped = SimpleNamespace(optimizer=opt)  # as accelerate's AcceleratedOptimizer holds it
+    FinishDiLoCo().on_train_end(None, None, None, model=model, optimizer=wrapped)
+    assert opt.progress.last_sync == [6] and opt.comm_stats()["syncs"] == 2
+    FinishDiLoCo().on_train_end(None, None, None, model=model, optimizer=inner)  # nothing
