@@ -30,7 +30,7 @@ import torch
 import commopt
 from commopt.diloco.fragments import first_sync_offsets
 
-__all__ = ["MODES", "SYNC_EVERY", "check_diloco", "run_diloco"]
+__all__ = ["MODES", "SYNC_EVERY", "check_diloco", "one_rank_past_a_sync", "run_diloco"]
 
 SYNC_EVERY = 6
 STEPS = 20
@@ -147,3 +147,19 @@ def check_diloco(results: Sequence[dict[str, dict[str, Any]]]) -> None:
         if MODES[mode].get("delay") and not first["in_flight_at_save"]:
             problems.append(f"{mode}: no sync was in flight at the save (the test lost its point)")
     assert not problems, "\n".join(problems)
+
+
+def one_rank_past_a_sync() -> tuple[torch.nn.Module, torch.optim.Optimizer, commopt.DiLoCo]:
+    """(model, inner SGD, DiLoCo) on one rank, H = 4, two steps past the sync at step 4: what
+    the end-of-training callbacks ``finish()``."""
+    from commopt.comm import SingleProcessBackend
+
+    model = torch.nn.Linear(2, 2)
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = commopt.DiLoCo(inner, sync_every=4, backend=SingleProcessBackend())
+    for _ in range(6):
+        model(torch.ones(1, 2)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    assert opt.progress.last_sync == [4]
+    return model, inner, opt

@@ -11,6 +11,7 @@ import torch
 
 import commopt
 from commopt.comm import SingleProcessBackend
+from tests.diloco_matrix import one_rank_past_a_sync
 
 pytest.importorskip("transformers", reason="needs the [hf] extra")
 
@@ -36,13 +37,7 @@ def test_a_resume_without_the_folder_warns_and_keeps_what_the_trainer_loaded(tmp
 
 
 def test_finish_diloco_syncs_the_steps_since_the_last_sync_and_ignores_other_optimizers():
-    model = torch.nn.Linear(2, 2)
-    inner = torch.optim.SGD(model.parameters(), lr=0.1)
-    opt = commopt.DiLoCo(inner, sync_every=4, backend=SingleProcessBackend())
-    for _ in range(6):  # two steps past the sync at 4
-        model(torch.ones(1, 2)).sum().backward()
-        opt.step()
-        opt.zero_grad()
+    model, inner, opt = one_rank_past_a_sync()
     wrapped = SimpleNamespace(optimizer=opt)  # as accelerate's AcceleratedOptimizer holds it
     FinishDiLoCo().on_train_end(None, None, None, model=model, optimizer=wrapped)
     assert opt.progress.last_sync == [6] and opt.comm_stats()["syncs"] == 2

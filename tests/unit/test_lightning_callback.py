@@ -18,6 +18,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 import commopt
 from commopt.lightning import OnebitHookCallback, RankStateCheckpoint
+from tests.diloco_matrix import one_rank_past_a_sync
 
 
 class FakeDDP(torch.nn.parallel.DistributedDataParallel):
@@ -130,15 +131,6 @@ def test_prune_false_keeps_every_folder(tmp_path) -> None:
 
 
 def test_under_ddp_a_diloco_is_finished_at_the_end_of_fit() -> None:
-    from commopt.comm import SingleProcessBackend
-
-    model = torch.nn.Linear(2, 2)
-    inner = torch.optim.SGD(model.parameters(), lr=0.1)
-    opt = commopt.DiLoCo(inner, sync_every=4, backend=SingleProcessBackend())
-    for _ in range(6):  # two steps past the sync at 4
-        model(torch.ones(1, 2)).sum().backward()
-        opt.step()
-        opt.zero_grad()
-    assert opt.progress.last_sync == [4]
+    _, _, opt = one_rank_past_a_sync()
     OnebitHookCallback().on_train_end(trainer_with(opt), None)
     assert opt.progress.last_sync == [6] and opt.comm_stats()["syncs"] == 2
