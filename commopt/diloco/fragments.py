@@ -125,7 +125,10 @@ class Fragment:
         self.load_params_()
 
     @torch.no_grad()
-    def load_params_(self) -> None:
-        """θ ← θ̄."""
-        for view, p in zip(self.views(self.anchor), self.params, strict=True):
+    def load_params_(self, flat: torch.Tensor | None = None) -> None:
+        """θ ← θ̄, or ← ``flat`` (an fp32 buffer of :meth:`gather_params_`: exact, since fp32
+        holds every bf16 and fp16 value)."""
+        for view, p in zip(
+            self.views(self.anchor if flat is None else flat), self.params, strict=True
+        ):
             local_shard(p).copy_(view)

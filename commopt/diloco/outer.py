@@ -22,9 +22,10 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import dataclasses
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -458,6 +459,31 @@ class DiLoCo(torch.optim.Optimizer):
         sent, nonfinite = average_gradients_(backend, self._params, nonfinite)
         self.progress.bytes["warmup" if backend is self.backend else "local"] += sent
         return nonfinite
+
+    @contextlib.contextmanager
+    def synced_weights(self) -> Iterator[None]:
+        """Inside the block, the parameters are the anchors θ̄: the model of the last sync, the
+        same on every rank, to evaluate or save while training goes on. After it, each rank's
+        own parameters are back, bit for bit, and nothing else has changed. Not collective.
+        During warmup the ranks' parameters are one model already and are left as they are; a
+        fragment whose sync is still in flight (``delay``) shows the anchor before that sync.
+
+        Example::
+
+            with opt.synced_weights():
+                val_loss = evaluate(model)
+        """
+        if self.progress.step <= self.warmup_steps:
+            yield
+            return
+        own = [frag.gather_params_(torch.empty_like(frag.anchor)) for frag in self.parts]
+        try:
+            for frag in self.parts:
+                frag.load_params_()
+            yield
+        finally:
+            for frag, mine in zip(self.parts, own, strict=True):
+                frag.load_params_(mine)
 
     def finish(self) -> None:
         """End of training: apply every delayed sync now, then sync every fragment that has

@@ -34,7 +34,8 @@ def _model(width: int = 20) -> torch.nn.Module:
 def _loss(model: torch.nn.Module, rank: int, step: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(1000 * step + rank)
     x = torch.randn(16, 6, generator=g) + 0.3 * rank  # every rank its own distribution
-    x = x.to(next(model.parameters()).device)
+    first = next(model.parameters())
+    x = x.to(first.device, first.dtype)
     return ((model(x) - x[:, :3].cos()) ** 2).mean()
 
 
@@ -316,6 +317,44 @@ def test_grad_scaler_skips_an_overflowing_ranks_inner_step_and_keeps_every_rank_
     scaled = run_ranks(scaled_run, 2, setup, True, timeout=TIMEOUT)
     plain = run_ranks(scaled_run, 2, setup, False, timeout=TIMEOUT)
     check_scaled(setup, scaled, plain)
+
+
+def _evaluated(backend, dtype: torch.dtype, look: bool):
+    """2 warmup steps, syncs at 7 and 12, one step past (H = 5), a bf16 or fp32 model; with
+    ``look``, synced_weights() is entered after every step (in warmup too), and what it showed
+    is recorded."""
+    model = _model().to(dtype)
+    opt = commopt.DiLoCo(
+        torch.optim.Adam(model.parameters(), lr=1e-2), sync_every=H, warmup_steps=2
+    )
+    after_sync, shown = None, []
+    for step in range(1, 2 * H + 4):
+        _loss(model, backend.rank, step).backward()
+        opt.step()
+        opt.zero_grad()
+        if (step - 2) % H == 0:
+            after_sync = _flat(model)
+        if look:
+            own = _flat(model)
+            with opt.synced_weights():
+                shown.append((step, _flat(model), after_sync))
+            assert torch.equal(_flat(model), own)  # back, bit for bit
+    return _flat(model), shown
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_synced_weights_show_the_last_sync_on_every_rank_and_change_nothing(dtype) -> None:
+    looked = run_ranks(_evaluated, 2, dtype, True, timeout=TIMEOUT)
+    plain = run_ranks(_evaluated, 2, dtype, False, timeout=TIMEOUT)
+    for (end, shown), (expected, _) in zip(looked, plain, strict=True):
+        assert torch.equal(end, expected)  # looking changed nothing
+        for step, weights, after_sync in shown:
+            if step > 2:  # after the warmup: the model of the last sync
+                assert torch.equal(weights, after_sync), step
+    (_, a), (_, b) = looked
+    for (step, wa, _), (_, wb, _) in zip(a, b, strict=True):
+        assert torch.equal(wa, wb), step  # one model on every rank
+    assert not torch.equal(looked[0][0], looked[1][0])  # while the ranks' own ones differ
 
 
 def _nan_everywhere(backend):
