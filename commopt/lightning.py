@@ -24,7 +24,9 @@ With :class:`commopt.DiLoCo` from ``configure_optimizers`` the callback register
 pseudo-gradient every H steps. (``DDPStrategy(ddp_comm_hook=noop_hook)`` would do the same on
 CUDA, but Lightning registers a strategy's hook only on CUDA devices; on CPU it is dropped and
 DDP averages every step, which DiLoCo then warns of at its first sync.) At ``on_train_end`` it
-calls ``DiLoCo.finish()``, so ``fit`` leaves one synced model on every rank.
+calls ``DiLoCo.finish()``, so ``fit`` leaves one synced model on every rank, and validation
+during ``fit`` evaluates the model of the last sync (``DiLoCo.synced_weights()``), the same on
+every rank, not each rank's own between syncs.
 
 :class:`RankStateCheckpoint` adds every rank's own optimizer state to Lightning's checkpoints,
 which hold rank 0's alone, and loads it back on resume.
@@ -35,6 +37,7 @@ Needs ``pip install lightning`` (``lightning.pytorch``, version 2.4 or newer).
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import shutil
 import warnings
@@ -55,7 +58,9 @@ __all__ = ["OnebitHookCallback", "RankStateCheckpoint"]
 class OnebitHookCallback(Callback):
     """Registers :func:`commopt.ddp.onebit_hook` on Lightning's DDP model at ``on_fit_start``,
     paired with the module's one commopt optimizer; for a :class:`~commopt.DiLoCo`, torch's
-    ``noop_hook`` (the gradients stay local), and ``finish()`` at ``on_train_end``.
+    ``noop_hook`` (the gradients stay local), ``finish()`` at ``on_train_end``, and
+    validation during ``fit`` on :meth:`~commopt.DiLoCo.synced_weights`: every rank evaluates
+    the model of the last sync, and trains on from its own afterwards.
 
     Args:
         exchange_in_backward: passed to :class:`~commopt.ddp.OnebitHookState` (``None``, the
@@ -70,6 +75,7 @@ class OnebitHookCallback(Callback):
     def __init__(self, exchange_in_backward: bool | None = None) -> None:
         self.exchange_in_backward = exchange_in_backward
         self.state: OnebitHookState | None = None
+        self._synced: contextlib.ExitStack | None = None  # open during validation (DiLoCo)
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Register the hook on the strategy's DDP model, paired with its commopt optimizer."""
@@ -88,6 +94,20 @@ class OnebitHookCallback(Callback):
         opt = _the_commopt_optimizer(trainer, "OnebitHookCallback")
         if isinstance(opt, DiLoCo):
             opt.finish()
+
+    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """A :class:`~commopt.DiLoCo`'s anchors in the parameters (outside ``fit`` there is no
+        optimizer, and nothing changes)."""
+        dilocos = [opt for opt in trainer.optimizers if isinstance(opt, DiLoCo)]
+        if len(dilocos) == 1 and self._synced is None:
+            self._synced = contextlib.ExitStack()
+            self._synced.enter_context(dilocos[0].synced_weights())
+
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Each rank's own parameters back, bit for bit."""
+        if self._synced is not None:
+            self._synced.close()
+            self._synced = None
 
 
 class RankStateCheckpoint(Callback):

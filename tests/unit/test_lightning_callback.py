@@ -134,3 +134,53 @@ def test_under_ddp_a_diloco_is_finished_at_the_end_of_fit() -> None:
     _, _, opt = one_rank_past_a_sync()
     OnebitHookCallback().on_train_end(trainer_with(opt), None)
     assert opt.progress.last_sync == [6] and opt.comm_stats()["syncs"] == 2
+
+
+class _TinyDiLoCo(_Tiny):
+    """H = 4 around SGD, validated every 3 steps; records the weight each validation saw, and
+    the anchor then."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def configure_optimizers(self):
+        from commopt.comm import SingleProcessBackend
+
+        inner = torch.optim.SGD(self.parameters(), lr=0.05)
+        return commopt.DiLoCo(inner, sync_every=4, backend=SingleProcessBackend())
+
+    def validation_step(self, batch, batch_idx):
+        opt = self.trainer.optimizers[0]
+        if batch_idx == 0 and opt.progress.step > 0:
+            anchor = opt.parts[0].views(opt.parts[0].anchor)[0]
+            self.seen.append((self.layer.weight.detach().clone(), anchor.clone()))
+
+
+def test_validation_during_fit_sees_the_synced_weights_and_changes_nothing(tmp_path) -> None:
+    torch.manual_seed(0)
+    data = DataLoader(TensorDataset(torch.randn(40, 4), torch.randn(40, 1)), 4)
+    ends = []
+    for validate in (True, False):
+        torch.manual_seed(1)
+        module = _TinyDiLoCo()
+        trainer = Trainer(
+            max_epochs=1,
+            accelerator="cpu",
+            devices=1,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            enable_checkpointing=False,
+            default_root_dir=tmp_path,
+            callbacks=[OnebitHookCallback()],
+            val_check_interval=3 if validate else None,
+            limit_val_batches=1 if validate else 0,
+            num_sanity_val_steps=0,
+        )
+        trainer.fit(module, data, data if validate else None)
+        ends.append(module.layer.weight.detach().clone())
+        if validate:  # steps 3, 6, 9: between syncs, where the own weights are not the anchor
+            assert len(module.seen) == 3
+            assert all(torch.equal(seen, anchor) for seen, anchor in module.seen)
+    assert torch.equal(*ends)  # validating on the anchors left training as it was
