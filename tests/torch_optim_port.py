@@ -52,6 +52,7 @@ from torch.optim.optimizer import (
     register_optimizer_step_pre_hook,
 )
 
+import commopt
 from tests.optim_registry import OPTIMIZERS
 
 
@@ -205,6 +206,9 @@ class Entry:
         supported_impls: the global-cliquey flags it takes (``foreach``, ``fused``, ...).
         commopt: one of commopt's optimizers: refuses :data:`REFUSED_FLAGS`, tensor
             hyperparameters, complex and float64 parameters.
+        fp32_or_lower: refuses complex and float64 parameters (commopt's optimizers do too).
+        deep_copies: ``copy.deepcopy`` works; else it raises ``TypeError`` (DiLoCo: its
+            backend's process groups and communication thread cannot be copied).
     """
 
     name: str
@@ -212,6 +216,8 @@ class Entry:
     base: Mapping[str, Any] = field(default_factory=dict)
     supported_impls: tuple[str, ...] = ("foreach",)
     commopt: bool = True
+    fp32_or_lower: bool = False
+    deep_copies: bool = True
 
     def make(self, params: Any, **kwargs: Any) -> Optimizer:
         return self.cls(params, **{**self.base, **kwargs})
@@ -244,16 +250,28 @@ class Entry:
         return None
 
     def refuses_dtype(self, dtype: torch.dtype) -> bool:
-        return self.commopt and (dtype.is_complex or dtype == torch.float64)
+        return (self.commopt or self.fp32_or_lower) and (dtype.is_complex or dtype == torch.float64)
 
     def __repr__(self) -> str:
         return self.name
 
 
+class DiLoCoAdam(commopt.DiLoCo):
+    """torch's Adam inside :class:`commopt.DiLoCo`, the bodies' keyword arguments passed to
+    the Adam: a sync every second step (the bodies take 3-20 steps), the first at fp32 and the
+    others at one bit."""
+
+    def __init__(self, params: Any, sync_every: int = 2, fp32_syncs: int = 1, **kwargs: Any):
+        inner = torch.optim.Adam(params, **kwargs)
+        super().__init__(inner, sync_every=sync_every, fp32_syncs=fp32_syncs)
+
+
+ADAM_IMPLS = ("foreach", "differentiable", "fused")
 ENTRIES: tuple[Entry, ...] = (
-    Entry("Adam", torch.optim.Adam, {}, ("foreach", "differentiable", "fused"), commopt=False),
+    Entry("Adam", torch.optim.Adam, {}, ADAM_IMPLS, commopt=False),
     *(Entry(info.name, info.cls, dict(info.config)) for info in OPTIMIZERS),
     *(Entry(f"{info.name}-defaults", info.cls) for info in OPTIMIZERS),
+    Entry("DiLoCo-Adam", DiLoCoAdam, {}, ADAM_IMPLS, False, fp32_or_lower=True, deep_copies=False),
 )
 
 #: the commopt rows whose tests run long enough to leave the warmup (on the short schedule)
@@ -595,7 +613,8 @@ def test_fused_matches_forloop(entry: Entry, world: World) -> None:
         assert build(entry, [Parameter(torch.randn(3))], {"fused": True}) is None
         return
     for dtype in (torch.float64, torch.float32):
-        _test_derived_optimizers(entry, world, "fused", dtype)
+        if not entry.refuses_dtype(dtype):  # (test_foreach_matches_forloop checks the refusal)
+            _test_derived_optimizers(entry, world, "fused", dtype)
     for dtype in (torch.bfloat16, torch.float16):  # Adam's toleranceOverride for these
         _test_derived_optimizers(entry, world, "fused", dtype, atol=5e-3, rtol=5e-3)
 
@@ -1027,6 +1046,13 @@ def test_deepcopy_copies_all_public_attrs(entry: Entry, world: World) -> None:
             continue
         for _ in range(3):
             optimizer.step()
+        if not entry.deep_copies:
+            try:
+                deepcopy(optimizer)
+            except TypeError as e:
+                assert "save opt.state_dict()" in str(e), e
+                continue
+            raise AssertionError(f"{entry} was deep-copied")
         assert public(optimizer) == public(deepcopy(optimizer))
 
 

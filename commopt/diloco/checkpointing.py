@@ -74,7 +74,7 @@ def state_dict(own: Parts) -> dict[str, Any]:
     ]
     inner = own.inner.state_dict()
     index = _indices(own)
-    state = {k: dict(v) for k, v in inner["state"].items()}
+    state = {k: dict(v) if isinstance(v, dict) else v for k, v in inner["state"].items()}
     for frag in own.parts:
         moms = frag.views(frag.momentum) if frag.momentum is not None else None
         for j, (p, anchor) in enumerate(zip(frag.params, frag.views(frag.anchor), strict=True)):

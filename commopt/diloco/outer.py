@@ -42,7 +42,13 @@ from commopt.choices import (
 from commopt.comm import Backend, resolve_backend
 from commopt.comm.channels import on_channel, open_channel
 from commopt.diloco import checkpointing
-from commopt.diloco.agreement import agree, check_shards, float_bits, warn_if_in_lockstep
+from commopt.diloco.agreement import (
+    agree,
+    check_dtypes,
+    check_shards,
+    float_bits,
+    warn_if_in_lockstep,
+)
 from commopt.diloco.averages import (
     Bf16Average,
     Fp32Average,
@@ -52,6 +58,7 @@ from commopt.diloco.averages import (
     check_finite,
 )
 from commopt.diloco.fragments import Fragment, first_sync_offsets, split_parameters
+from commopt.diloco.inner import step_inner
 from commopt.exchange import build_exchange, discover_topology
 from commopt.exchange.levels import build_level_backends, wants_shared_memory
 from commopt.optim.adam import unscale_grads_
@@ -123,9 +130,10 @@ class DiLoCo(torch.optim.Optimizer):
 
     Building it is collective: the ranks check that they agree on every setting below and on
     the parameters' sizes (a ``ValueError`` on every rank otherwise), and every rank starts from
-    rank 0's parameters, which become the first anchor. Only parameters with
-    ``requires_grad`` when it is built are synced. Right after each sync the synced parameters
-    are bit-identical on every rank.
+    rank 0's parameters, which become the first anchor. Every parameter the inner optimizer
+    holds is synced, frozen or not (one unfrozen later stays one model across the ranks; pass
+    the inner optimizer only what you train, as the HF Trainer does, to send nothing for the
+    rest). Right after each sync the synced parameters are bit-identical on every rank.
 
     Args:
         inner: the inner optimizer (``torch.optim.*`` or commopt's own), over the model's
@@ -231,9 +239,8 @@ class DiLoCo(torch.optim.Optimizer):
         self.topology, self.scale = topology, scale
         self.backend = resolve_backend(backend)
         be = self.backend
-        self._params = [p for g in inner.param_groups for p in g["params"] if p.requires_grad]
-        if not self._params:
-            raise ValueError("DiLoCo: the inner optimizer has no parameter with requires_grad")
+        self._params = [p for g in inner.param_groups for p in g["params"]]
+        check_dtypes(self._params)
         agree(be, self.settings(), "DiLoCo")
         #: FSDP2 parameters: this rank's shards, averaged over ``backend``, the replicate group
         self.sharded = check_shards(be, self._params)
@@ -359,7 +366,7 @@ class DiLoCo(torch.optim.Optimizer):
         else:
             if level is not None:
                 self._average_gradients(level)
-            loss = self.inner.step(closure) if closure is not None else self.inner.step()
+            loss = step_inner(self.inner, closure)
         self.progress.step = t
         if t == self.warmup_steps:
             for frag in self.parts:  # identical on every rank after averaged steps
@@ -398,12 +405,12 @@ class DiLoCo(torch.optim.Optimizer):
         if getattr(inner, "_step_supports_amp_scaling", False):
             inner.grad_scale, inner.found_inf = scale, found_inf
             try:
-                return inner.step()
+                return step_inner(inner)
             finally:
                 del inner.grad_scale, inner.found_inf
         if scale is not None:
             unscale_grads_(self._params, scale)
-        return None if skip else inner.step()
+        return None if skip else step_inner(inner)
 
     def _due(self, t: int) -> list[int]:
         s = t - self.warmup_steps
@@ -574,7 +581,7 @@ class DiLoCo(torch.optim.Optimizer):
 
     def __repr__(self) -> str:
         return (
-            f"DiLoCo({type(self.inner).__name__}, sync_every={self.sync_every}, "
+            f"{type(self).__name__}({type(self.inner).__name__}, sync_every={self.sync_every}, "
             f"compression={self.compression!r}, outer_lr={self.outer_lr}, "
             f"outer_momentum={self.outer_momentum}, fragments={self.fragments}, "
             f"delay={self.delay}, fp32_syncs={self.fp32_syncs}, topology={self.topology!r}, "

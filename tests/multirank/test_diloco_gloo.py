@@ -357,6 +357,28 @@ def test_synced_weights_show_the_last_sync_on_every_rank_and_change_nothing(dtyp
     assert not torch.equal(looked[0][0], looked[1][0])  # while the ranks' own ones differ
 
 
+def _unfrozen(backend):
+    """The first layer frozen when DiLoCo is built, unfrozen at step 3; syncs at 5 and 10."""
+    model = _model()
+    first = list(model[0].parameters())
+    for p in first:
+        p.requires_grad_(False)
+    opt = commopt.DiLoCo(torch.optim.Adam(model.parameters(), lr=1e-2), sync_every=H)
+    for step in range(1, 2 * H + 1):
+        if step == 3:
+            for p in first:
+                p.requires_grad_(True)
+        _loss(model, backend.rank, step).backward()
+        opt.step()
+        opt.zero_grad()
+    return _flat(model)
+
+
+def test_a_parameter_unfrozen_after_diloco_was_built_is_synced_with_the_rest() -> None:
+    a, b = run_ranks(_unfrozen, 2, timeout=TIMEOUT)
+    assert torch.equal(a, b)  # step 2H is a sync: the first layer too
+
+
 def _nan_everywhere(backend):
     model = _model()
     opt = commopt.DiLoCo(torch.optim.Adam(model.parameters(), lr=1e-2), sync_every=2)

@@ -58,14 +58,23 @@ def test_bad_arguments_are_refused_with_a_message_that_names_them(kw, message) -
         _make(**kw)
 
 
-def test_the_inner_optimizer_must_be_one_with_trainable_parameters() -> None:
+def test_the_inner_optimizer_must_be_a_torch_optimizer_over_real_fp32_or_lower() -> None:
     with pytest.raises(TypeError, match=r"inner must be a torch\.optim\.Optimizer"):
         commopt.DiLoCo(object(), sync_every=2)  # type: ignore[arg-type]
+    for dtype, message in ((torch.complex64, "complex"), (torch.float64, "rounded to fp32")):
+        model = _model().to(dtype)
+        with pytest.raises(TypeError, match=message):
+            commopt.DiLoCo(torch.optim.SGD(model.parameters(), lr=0.1), sync_every=2)
+
+
+def test_every_parameter_of_the_inner_optimizer_is_synced_frozen_or_not() -> None:
+    """torch's optimizers take frozen parameters (a step leaves them as they are); DiLoCo syncs
+    them too, so that one unfrozen later stays one model (tests/multirank/test_diloco_gloo.py
+    checks that across ranks)."""
     model = _model()
-    for p in model.parameters():
-        p.requires_grad_(False)
-    with pytest.raises(ValueError, match="no parameter with requires_grad"):
-        commopt.DiLoCo(torch.optim.SGD(model.parameters(), lr=0.1), sync_every=2)
+    next(model.parameters()).requires_grad_(False)
+    _, opt = _make(model)
+    assert sum(f.numel for f in opt.parts) == sum(p.numel() for p in model.parameters())
 
 
 def test_it_is_a_torch_optimizer_that_schedulers_drive_and_that_refuses_new_groups() -> None:
@@ -93,8 +102,8 @@ def test_it_is_a_torch_optimizer_that_schedulers_drive_and_that_refuses_new_grou
 
 def test_torch_optimizer_hooks_run_around_its_step_and_state_dicts() -> None:
     """The hooks any torch optimizer takes (EMA and logging libraries register them) run on
-    DiLoCo's own step and state dicts: torch's global step hooks see DiLoCo and, inside its
-    step, the inner optimizer, as two optimizers stepping; state-dict hooks may rewrite it."""
+    DiLoCo's own step and state dicts: torch's global step hooks see one optimizer step,
+    DiLoCo's (the inner step is part of it); state-dict hooks may rewrite it."""
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
     model, opt = _make()
@@ -108,7 +117,7 @@ def test_torch_optimizer_hooks_run_around_its_step_and_state_dicts() -> None:
         _train(model, opt, [1])
     finally:
         handle.remove()
-    assert calls == [("pre", opt), ("global", "AdamW"), ("post", opt), ("global", "DiLoCo")]
+    assert calls == [("pre", opt), ("post", opt), ("global", "DiLoCo")]
 
     opt.register_state_dict_pre_hook(lambda o: calls.append("saving"))
     opt.register_state_dict_post_hook(lambda o, sd: {**sd, "mine": 1})
