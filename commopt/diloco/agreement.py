@@ -54,6 +54,20 @@ def agree(backend: Backend, fields: Mapping[str, int], what: str) -> None:
         )
 
 
+def agree_on_steps(backend: Backend, step: int, what: str) -> None:
+    """Raise ``ValueError`` on every rank unless every rank has taken ``step`` inner steps (one
+    all-gather of one int64 per rank): ranks out of step would wait in syncs that the others
+    never enter."""
+    rows = _rows(backend, torch.tensor([step], dtype=torch.int64))
+    if len({row[0] for row in rows}) > 1:
+        steps = ", ".join(f"rank {r} {row[0]}" for r, row in enumerate(rows))
+        raise ValueError(
+            f"{what}: the ranks took different numbers of inner steps ({steps}); every rank "
+            "must call step() as often (the same number of batches on every rank: a "
+            "DistributedSampler, drop_last=True)"
+        )
+
+
 def _rows(backend: Backend, mine: torch.Tensor) -> list[list[int]]:
     """Every rank's ``mine`` (1-D int64, the same length everywhere), in rank order: one
     all-gather on ``mine``'s device (none for one rank)."""

@@ -44,6 +44,7 @@ from commopt.comm.channels import on_channel, open_channel
 from commopt.diloco import checkpointing
 from commopt.diloco.agreement import (
     agree,
+    agree_on_steps,
     check_dtypes,
     check_shards,
     float_bits,
@@ -495,7 +496,13 @@ class DiLoCo(torch.optim.Optimizer):
     def finish(self) -> None:
         """End of training: apply every delayed sync now, then sync every fragment that has
         taken inner steps since its last sync (collective). Afterwards all synced parameters
-        are bit-identical on every rank: the one model to evaluate and keep."""
+        are bit-identical on every rank: the one model to evaluate and keep.
+
+        Raises:
+            ValueError: on every rank, when the ranks took different numbers of inner steps
+                (the ranks behind would wait for ever in a sync the others never enter).
+        """
+        agree_on_steps(self.backend, self.progress.step, "DiLoCo.finish()")
         for p, (future, _) in sorted(self.progress.pending.items()):
             del self.progress.pending[p]
             self._apply(p, future.result())

@@ -379,6 +379,24 @@ def test_a_parameter_unfrozen_after_diloco_was_built_is_synced_with_the_rest() -
     assert torch.equal(a, b)  # step 2H is a sync: the first layer too
 
 
+def _uneven(backend):
+    model = _model()
+    opt = commopt.DiLoCo(torch.optim.Adam(model.parameters(), lr=1e-2), sync_every=H)
+    for step in range(1, 2 * H + 2 - backend.rank):  # rank 1 runs out of data a step early
+        _loss(model, backend.rank, step).backward()
+        opt.step()
+        opt.zero_grad()
+    opt.finish()
+
+
+def test_finish_on_ranks_out_of_step_is_a_clear_error_not_a_hang() -> None:
+    with pytest.raises(RankError) as caught:
+        run_ranks(_uneven, 2, timeout=60)
+    for message in caught.value.messages:
+        assert message is not None
+        assert "took different numbers of inner steps (rank 0 11, rank 1 10)" in message
+
+
 def _nan_everywhere(backend):
     model = _model()
     opt = commopt.DiLoCo(torch.optim.Adam(model.parameters(), lr=1e-2), sync_every=2)
