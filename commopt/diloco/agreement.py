@@ -109,26 +109,6 @@ def warn_if_in_lockstep(backend: Backend, delta: torch.Tensor) -> bool:
     return False
 
 
-def check_dtypes(params: list[torch.Tensor]) -> None:
-    """Refuse the parameters whose values the fp32 anchors cannot hold, with the way out.
-
-    Raises:
-        TypeError: a complex parameter (the 1-bit code has no phase), or a float64 one (each
-            sync would round it to fp32, silently).
-    """
-    for p in params:
-        if p.is_complex():
-            raise TypeError(
-                f"DiLoCo does not support complex parameters (got {p.dtype}): its anchors and "
-                "the 1-bit code are real; optimize torch.view_as_real(p) instead"
-            )
-        if p.dtype == torch.float64:
-            raise TypeError(
-                "DiLoCo keeps its anchors and averages in fp32, so a float64 parameter would "
-                "be rounded to fp32 at every sync, silently; convert the model with .float()"
-            )
-
-
 def check_shards(backend: Backend, params: list[torch.Tensor]) -> bool:
     """Whether ``params`` are FSDP2 shards (DTensors), after checking that DiLoCo can average
     them: all sharded over one 1-D mesh, and every rank of ``backend`` holding the same shard

@@ -24,6 +24,7 @@ import collections
 import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -45,7 +46,6 @@ from commopt.diloco import checkpointing
 from commopt.diloco.agreement import (
     agree,
     agree_on_steps,
-    check_dtypes,
     check_shards,
     float_bits,
     warn_if_in_lockstep,
@@ -59,10 +59,10 @@ from commopt.diloco.averages import (
     check_finite,
 )
 from commopt.diloco.fragments import Fragment, first_sync_offsets, split_parameters
-from commopt.diloco.inner import step_inner
+from commopt.diloco.inner import scaled_step_inner, step_inner
 from commopt.exchange import build_exchange, discover_topology
 from commopt.exchange.levels import build_level_backends, wants_shared_memory
-from commopt.optim.adam import unscale_grads_
+from commopt.optim.adam import refuse_complex_and_float64
 
 __all__ = ["FP32_START", "OUTER_DEFAULTS", "DiLoCo", "Progress", "default_fp32_syncs"]
 
@@ -241,7 +241,7 @@ class DiLoCo(torch.optim.Optimizer):
         self.backend = resolve_backend(backend)
         be = self.backend
         self._params = [p for g in inner.param_groups for p in g["params"]]
-        check_dtypes(self._params)
+        refuse_complex_and_float64("DiLoCo", self._params)  # (its anchors are fp32)
         agree(be, self.settings(), "DiLoCo")
         #: FSDP2 parameters: this rank's shards, averaged over ``backend``, the replicate group
         self.sharded = check_shards(be, self._params)
@@ -387,31 +387,13 @@ class DiLoCo(torch.optim.Optimizer):
     _step_supports_amp_scaling = True
 
     def _scaled_inner_step(self, level: Backend | None) -> Any:
-        """The inner step under ``GradScaler.step``: the gradients unscaled by this rank's own
-        scale, and the inner step skipped where they hold an inf/NaN: on this rank alone (its
-        own data), or, where the gradients are averaged first (warmup, islands), on every rank
-        that averaged them. A fused torch optimizer or a commopt one unscales and skips itself.
-        On FSDP2 shards GradScaler's own check of the DTensor gradients already agrees over
-        the shard group, so a replica skips whole."""
-        scale, found_inf = getattr(self, "grad_scale", None), self.found_inf
-        skip = bool(found_inf.sum() > 0)
-        if level is not None:  # unscaled before averaging: each rank's scale is its own
-            if scale is not None:
-                unscale_grads_(self._params, scale)
-                scale = None
-            skip = self._average_gradients(level, skip)  # an inf on any rank: everyone skips
-            found_inf = torch.full_like(found_inf, float(skip))
-        self.progress.skipped += int(skip)
-        inner: Any = self.inner
-        if getattr(inner, "_step_supports_amp_scaling", False):
-            inner.grad_scale, inner.found_inf = scale, found_inf
-            try:
-                return step_inner(inner)
-            finally:
-                del inner.grad_scale, inner.found_inf
-        if scale is not None:
-            unscale_grads_(self._params, scale)
-        return None if skip else step_inner(inner)
+        """The inner step under ``GradScaler.step`` (:func:`~commopt.diloco.inner.
+        scaled_step_inner`), gradients averaged over ``level`` first where there is one."""
+        average = None if level is None else functools.partial(self._average_gradients, level)
+        scale = getattr(self, "grad_scale", None)
+        loss, skipped = scaled_step_inner(self.inner, self._params, scale, self.found_inf, average)
+        self.progress.skipped += int(skipped)
+        return loss
 
     def _due(self, t: int) -> list[int]:
         s = t - self.warmup_steps

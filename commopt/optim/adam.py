@@ -104,6 +104,7 @@ __all__ = [
     "momentum_from_grads_",
     "momentum_step_size",
     "momentum_step_sizes",
+    "refuse_complex_and_float64",
     "step_bound",
     "unscale_grads_",
     "update_moments_",
@@ -541,3 +542,24 @@ def unscale_grads_(params: Iterable[torch.Tensor], scale: torch.Tensor | float) 
     for p in params:
         if p.grad is not None:
             p.grad.mul_(inv.to(p.grad.device) if torch.is_tensor(inv) else inv)
+
+
+def refuse_complex_and_float64(name: str, params: Iterable[torch.Tensor]) -> None:
+    """The parameters whose values fp32 state and the 1-bit code cannot hold, refused.
+
+    Raises:
+        TypeError: a complex parameter (the 1-bit code has no phase), or a float64 one (fp32
+            state would round it, silently).
+    """
+    for p in params:
+        if p.is_complex():
+            raise TypeError(
+                f"{name} does not support complex parameters (got {p.dtype}): "
+                "the 1-bit code has no phase; optimize torch.view_as_real(p) instead"
+            )
+        if p.dtype == torch.float64:
+            raise TypeError(
+                f"{name} keeps fp32 state and communicates fp32, so a float64 "
+                "parameter would silently lose precision; convert the model with "
+                ".float() (or use a torch.optim optimizer alone for float64)"
+            )

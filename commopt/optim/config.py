@@ -36,6 +36,7 @@ from commopt.choices import (
     check_choice,
 )
 from commopt.notices import warn_at_caller
+from commopt.optim.adam import refuse_complex_and_float64
 from commopt.optim.freeze import AutoFreezeSettings, auto_settings
 
 __all__ = [
@@ -544,18 +545,8 @@ def check_param_group(
     _refuse_torch_only(
         group, name, " in a param group", "; remove it (the constructor refuses it too)"
     )
+    refuse_complex_and_float64(name, group["params"])
     for p in group["params"]:
-        if p.is_complex():
-            raise TypeError(
-                f"{name} does not support complex parameters (got {p.dtype}): "
-                "the 1-bit code has no phase; optimize torch.view_as_real(p) instead"
-            )
-        if p.dtype == torch.float64:
-            raise TypeError(
-                f"{name} keeps fp32 state and communicates fp32, so a float64 "
-                "parameter would silently lose precision; convert the model with "
-                ".float() (or use torch.optim.Adam for float64)"
-            )
         if p.device.type == "meta":
             raise ValueError(
                 f"{name} got a parameter on the meta device (shape "

@@ -61,7 +61,7 @@ def test_bad_arguments_are_refused_with_a_message_that_names_them(kw, message) -
 def test_the_inner_optimizer_must_be_a_torch_optimizer_over_real_fp32_or_lower() -> None:
     with pytest.raises(TypeError, match=r"inner must be a torch\.optim\.Optimizer"):
         commopt.DiLoCo(object(), sync_every=2)  # type: ignore[arg-type]
-    for dtype, message in ((torch.complex64, "complex"), (torch.float64, "rounded to fp32")):
+    for dtype, message in ((torch.complex64, "complex"), (torch.float64, "float64")):
         model = _model().to(dtype)
         with pytest.raises(TypeError, match=message):
             commopt.DiLoCo(torch.optim.SGD(model.parameters(), lr=0.1), sync_every=2)

@@ -72,19 +72,24 @@ class _Tiny(LightningModule):
         return commopt.OnebitAdam(self.parameters(), lr=1e-2, freeze_step=2)
 
 
-def _fit(tmp_path, steps: int, callbacks: list, ckpt_path=None) -> Trainer:
-    torch.manual_seed(0)
-    data = DataLoader(TensorDataset(torch.randn(4 * steps, 4), torch.randn(4 * steps, 1)), 4)
-    trainer = Trainer(
+def _trainer(tmp_path, callbacks: list, **kw) -> Trainer:
+    """One epoch on one CPU process, quiet."""
+    quiet = dict(logger=False, enable_progress_bar=False, enable_model_summary=False)
+    return Trainer(
         max_epochs=1,
         accelerator="cpu",
         devices=1,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         default_root_dir=tmp_path,
         callbacks=callbacks,
+        **quiet,
+        **kw,
     )
+
+
+def _fit(tmp_path, steps: int, callbacks: list, ckpt_path=None) -> Trainer:
+    torch.manual_seed(0)
+    data = DataLoader(TensorDataset(torch.randn(4 * steps, 4), torch.randn(4 * steps, 1)), 4)
+    trainer = _trainer(tmp_path, callbacks)
     trainer.fit(_Tiny(), data, ckpt_path=ckpt_path)
     return trainer
 
@@ -164,16 +169,10 @@ def test_validation_during_fit_sees_the_synced_weights_and_changes_nothing(tmp_p
     for validate in (True, False):
         torch.manual_seed(1)
         module = _TinyDiLoCo()
-        trainer = Trainer(
-            max_epochs=1,
-            accelerator="cpu",
-            devices=1,
-            logger=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
+        trainer = _trainer(
+            tmp_path,
+            [OnebitHookCallback()],
             enable_checkpointing=False,
-            default_root_dir=tmp_path,
-            callbacks=[OnebitHookCallback()],
             val_check_interval=3 if validate else None,
             limit_val_batches=1 if validate else 0,
             num_sanity_val_steps=0,
