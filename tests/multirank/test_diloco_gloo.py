@@ -379,6 +379,15 @@ def test_a_parameter_unfrozen_after_diloco_was_built_is_synced_with_the_rest() -
     assert torch.equal(a, b)  # step 2H is a sync: the first layer too
 
 
+def _every_rank_raises(body, world: int, text: str) -> None:
+    """``body`` on ``world`` ranks raises on every one of them, each message holding ``text``."""
+    with pytest.raises(RankError) as caught:
+        run_ranks(body, world, timeout=60)
+    for message in caught.value.messages:
+        assert message is not None
+        assert text in message
+
+
 def _uneven(backend):
     model = _model()
     opt = commopt.DiLoCo(torch.optim.Adam(model.parameters(), lr=1e-2), sync_every=H)
@@ -390,11 +399,7 @@ def _uneven(backend):
 
 
 def test_finish_on_ranks_out_of_step_is_a_clear_error_not_a_hang() -> None:
-    with pytest.raises(RankError) as caught:
-        run_ranks(_uneven, 2, timeout=60)
-    for message in caught.value.messages:
-        assert message is not None
-        assert "took different numbers of inner steps (rank 0 11, rank 1 10)" in message
+    _every_rank_raises(_uneven, 2, "took different numbers of inner steps (rank 0 11, rank 1 10)")
 
 
 def _nan_everywhere(backend):
@@ -428,11 +433,7 @@ def _disagree(backend):
 
 
 def test_ranks_built_with_other_settings_get_a_clear_error_not_a_hang() -> None:
-    with pytest.raises(RankError) as caught:
-        run_ranks(_disagree, 3, timeout=60)
-    for message in caught.value.messages:
-        assert message is not None
-        assert "sync_every: rank 0 20, rank 1 20, rank 2 10" in message
+    _every_rank_raises(_disagree, 3, "sync_every: rank 0 20, rank 1 20, rank 2 10")
 
 
 def _rank0_weights(backend):
