@@ -582,7 +582,9 @@ def _test_derived_optimizers(
                 torch.nn.Linear(3, 1),
                 torch.nn.Sigmoid(),
             ).to(dtype)
-            empty_param = torch.empty((), dtype=dtype, requires_grad=True)
+            # torch's test leaves this 0-d parameter uninitialized; a NaN found there by chance
+            # is a non-finite pseudo-gradient to DiLoCo (NonFiniteError), so it gets a value
+            empty_param = torch.rand((), dtype=dtype).requires_grad_()
             empty_param.grad = torch.rand_like(empty_param)
             params = [*model.parameters(), empty_param]
             optimizer = build(entry, params, kwargs)
