@@ -108,7 +108,10 @@ def _check(own: Parts, sd: dict[str, Any]) -> bool:
     if not isinstance(comm, dict) or comm.get("kind") != "diloco":
         raise ValueError(
             "DiLoCo.load_state_dict: this is not a DiLoCo state dict (no 'commopt' part of kind "
-            "'diloco'); to load the inner optimizer's own state, call opt.inner.load_state_dict"
+            "'diloco'); to load the inner optimizer's own state, call opt.inner.load_state_dict. "
+            "torch.distributed.checkpoint.state_dict's get_state_dict / get_optimizer_state_dict "
+            "keep only 'state' and 'param_groups': save opt.state_dict() whole, or use "
+            "commopt.save_checkpoint (commopt.fsdp.save_checkpoint on FSDP2)"
         )
     mine = own.settings
     saved = {**_ADDED_SETTINGS, **comm.get("settings", {})}

@@ -368,6 +368,15 @@ class DiLoCo(torch.optim.Optimizer):
             if level is not None:
                 self._average_gradients(level)
             loss = step_inner(self.inner, closure)
+        self._advance(t)
+        return loss
+
+    # Under torch.compile(opt.step), dynamo compiles the inner step, as it would the inner
+    # optimizer's own; the rest communicates (and calls numba), so it runs as it is, eagerly,
+    # and its collectives are the same calls on every rank.
+    @torch.compiler.disable
+    def _advance(self, t: int) -> None:
+        """Inner step t taken: count it, and start and apply the syncs it completes."""
         self.progress.step = t
         if t == self.warmup_steps:
             for frag in self.parts:  # identical on every rank after averaged steps
@@ -378,7 +387,6 @@ class DiLoCo(torch.optim.Optimizer):
                 self._apply(p, future.result())
         for p in self._due(t):
             self._start(p, t)
-        return loss
 
     # GradScaler.step(opt) skips step() on a rank that found an inf, and that rank would then
     # miss its sync while the others wait in it. With this flag it calls step() on every rank,
@@ -386,6 +394,7 @@ class DiLoCo(torch.optim.Optimizer):
     # still counts, so every rank syncs at the same calls.
     _step_supports_amp_scaling = True
 
+    @torch.compiler.disable
     def _scaled_inner_step(self, level: Backend | None) -> Any:
         """The inner step under ``GradScaler.step`` (:func:`~commopt.diloco.inner.
         scaled_step_inner`), gradients averaged over ``level`` first where there is one."""
@@ -445,6 +454,7 @@ class DiLoCo(torch.optim.Optimizer):
     def _apply(self, p: int, average: torch.Tensor) -> None:
         self.parts[p].outer_step_(average, self.outer_lr, self.outer_momentum, self.nesterov)
 
+    @torch.compiler.disable
     def _average_gradients(self, backend: Backend, nonfinite: bool = False) -> bool:
         sent, nonfinite = average_gradients_(backend, self._params, nonfinite)
         self.progress.bytes["warmup" if backend is self.backend else "local"] += sent

@@ -345,6 +345,16 @@ def split_commopt_entry(
         )
     state_dict = dict(state_dict)
     comm = state_dict.pop("commopt", None)
+    if comm is None and any("first_step" in g for g in saved_groups):
+        # commopt's groups carry first_step; torch's state-dict API keeps only "state" and
+        # "param_groups", and loading what is left would restart the schedule silently
+        raise ValueError(
+            f"{name}.load_state_dict: this state dict was saved by a commopt optimizer but "
+            "has lost its 'commopt' part (the step count, the freeze point and the error "
+            "buffers), as torch.distributed.checkpoint.state_dict's get_state_dict / "
+            "get_optimizer_state_dict drop it; save optimizer.state_dict() whole, or use "
+            "commopt.save_checkpoint (commopt.fsdp.save_checkpoint on FSDP2)"
+        )
     saved_by = None if comm is None else saved_optimizer(comm)
     if saved_by is not None and saved_by != name:
         raise ValueError(

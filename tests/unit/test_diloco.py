@@ -203,6 +203,11 @@ def test_a_state_dict_with_other_settings_is_refused_and_changes_nothing() -> No
         other.load_state_dict(opt.state_dict())
     with pytest.raises(ValueError, match="not a DiLoCo state dict"):
         other.load_state_dict(other.inner.state_dict())
+    # torch's state-dict API keeps "state" and "param_groups" alone: the message says so
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    with pytest.raises(ValueError, match="get_optimizer_state_dict keep only"):
+        other.load_state_dict(get_optimizer_state_dict(other_model, other))
     assert all(torch.equal(a, b) for a, b in zip(before, _digest(other_model, other), strict=True))
     assert other.progress.step == 3
 

@@ -500,3 +500,29 @@ def test_no_test_keeps_its_own_table_of_optimizers() -> None:
             if len({_optimizer_named(e) for e in entries} - {None}) >= 2:
                 found.append(f"{rel}:{node.lineno}")
     assert found == [], f"tables of optimizers outside the registry: {found}"
+
+
+@pytest.mark.parametrize("info", OPTIMIZERS, ids=str)
+def test_a_state_dict_stripped_by_torchs_state_dict_api_is_refused_not_loaded(info) -> None:
+    """torch.distributed.checkpoint.state_dict keeps only "state" and "param_groups" of an
+    optimizer's state dict. Loading that used to restart the schedule (warmup, freeze, step
+    count) under the moments of a later step, silently; now it is a clear error that changes
+    nothing. A torch optimizer's state dict, which never had a "commopt" part, still loads."""
+    from torch.distributed.checkpoint.state_dict import (
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    model, opt = build(info)
+    run(model, opt, range(1, info.steps + 1))
+    stripped = get_optimizer_state_dict(model, opt)
+    assert set(stripped) == {"state", "param_groups"}  # what torch's API keeps
+    clone, fresh = build(info, seed=1)
+    with pytest.raises(ValueError, match="has lost its 'commopt' part"):
+        fresh.load_state_dict(opt.state_dict() | {"commopt": None})
+    assert fresh.global_state["step"] == 0 and not fresh.state
+    with pytest.raises(ValueError, match="get_optimizer_state_dict"):
+        set_optimizer_state_dict(clone, fresh, stripped)
+    adam = torch.optim.Adam(make_groups(model))
+    train_step(model, adam, 0, 1)
+    fresh.load_state_dict(adam.state_dict())
