@@ -58,7 +58,12 @@ from commopt.diloco.averages import (
     average_gradients_,
     check_finite,
 )
-from commopt.diloco.fragments import Fragment, first_sync_offsets, split_parameters
+from commopt.diloco.fragments import (
+    Fragment,
+    first_sync_offsets,
+    shared_scratch,
+    split_parameters,
+)
 from commopt.diloco.inner import scaled_step_inner, step_inner
 from commopt.exchange import build_exchange, discover_topology
 from commopt.exchange.levels import build_level_backends, wants_shared_memory
@@ -263,14 +268,16 @@ class DiLoCo(torch.optim.Optimizer):
         self.average = self._build_average(node_topology)
         self._fp32 = Fp32Average(be)  # the first fp32_syncs syncs of each fragment
         #: the fragments, in parameter order (:class:`~commopt.diloco.fragments.Fragment`)
+        runs = split_parameters(self._params, fragments)
         self.parts = [
             Fragment(
                 run,
                 self.average,
                 momentum=self.outer_momentum > 0.0,
                 per_tensor=compression == "onebit" and scale == "tensor",
+                scratch=scratch,
             )
-            for run in split_parameters(self._params, fragments)
+            for run, scratch in zip(runs, shared_scratch(runs), strict=True)
         ]
         self._offsets = first_sync_offsets(sync_every, fragments)
         for frag in self.parts:  # every rank starts from rank 0's weights
@@ -371,9 +378,8 @@ class DiLoCo(torch.optim.Optimizer):
         self._advance(t)
         return loss
 
-    # Under torch.compile(opt.step), dynamo compiles the inner step, as it would the inner
-    # optimizer's own; the rest communicates (and calls numba), so it runs as it is, eagerly,
-    # and its collectives are the same calls on every rank.
+    # Under torch.compile(opt.step) dynamo compiles the inner step, as it would the inner
+    # optimizer's own; what follows communicates (and calls numba): it runs eagerly.
     @torch.compiler.disable
     def _advance(self, t: int) -> None:
         """Inner step t taken: count it, and start and apply the syncs it completes."""

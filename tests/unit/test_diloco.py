@@ -157,6 +157,17 @@ def test_fragments_are_contiguous_whole_tensors_of_about_equal_size() -> None:
         split_parameters(params, 8)
 
 
+def test_the_fragments_share_one_pseudo_gradient_buffer_the_size_of_the_largest() -> None:
+    # one fragment's sync at a time is in flight (delay < H/P): Δ needs 4/P bytes per parameter
+    _, opt = _make(sync_every=6, fragments=3, delay=1)
+    storages = {f.delta.untyped_storage().data_ptr() for f in opt.parts}
+    largest = max(f.numel for f in opt.parts)
+    assert len(storages) == 1
+    assert opt.parts[0].delta.untyped_storage().nbytes() == 4 * largest
+    assert [f.delta.numel() for f in opt.parts] == [f.numel for f in opt.parts]
+    assert largest < sum(f.numel for f in opt.parts)
+
+
 def test_fragment_p_first_syncs_at_floor_p_plus_one_h_over_p() -> None:
     assert first_sync_offsets(10, 1) == [10]
     assert first_sync_offsets(10, 4) == [2, 5, 7, 10]
