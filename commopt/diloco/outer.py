@@ -267,8 +267,8 @@ class DiLoCo(torch.optim.Optimizer):
                 self._node_backend = build_level_backends(be, node_topology, shm)[0]
         self.average = self._build_average(node_topology)
         self._fp32 = Fp32Average(be)  # the first fp32_syncs syncs of each fragment
-        #: the fragments, in parameter order (:class:`~commopt.diloco.fragments.Fragment`)
         runs = split_parameters(self._params, fragments)
+        #: the fragments, in parameter order (:class:`~commopt.diloco.fragments.Fragment`)
         self.parts = [
             Fragment(
                 run,
