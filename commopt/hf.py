@@ -41,15 +41,17 @@ def _commopt_optimizer(opt: Any) -> Any:
 
 class FinishDiLoCo(TrainerCallback):
     """Calls :meth:`commopt.DiLoCo.finish` at ``on_train_end`` (collective; the Trainer calls
-    it on every rank): the last sync of any inner steps since the previous one, so the model
-    that ``trainer.train()`` leaves, and ``trainer.save_model()`` writes, is the one synced
-    model on every rank, whatever step training ended at. Does nothing for other optimizers."""
+    it on every rank): the last sync of any inner steps since the previous one, and the
+    model's floating-point buffers (BatchNorm's statistics) averaged, so the model that
+    ``trainer.train()`` leaves, and ``trainer.save_model()`` writes, is the one synced model on
+    every rank, whatever step training ended at. Does nothing for other optimizers."""
 
     def on_train_end(self, args, state, control, **kwargs):  # type: ignore[override]
         """``finish()`` the Trainer's DiLoCo."""
         opt = _commopt_optimizer(kwargs.get("optimizer"))
         if isinstance(opt, DiLoCo):
-            opt.finish()
+            model = kwargs.get("model")
+            opt.finish(model.buffers() if model is not None else ())
 
 
 class RankStateCheckpoint(TrainerCallback):

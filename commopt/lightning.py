@@ -24,7 +24,8 @@ With :class:`commopt.DiLoCo` from ``configure_optimizers`` the callback register
 pseudo-gradient every H steps. (``DDPStrategy(ddp_comm_hook=noop_hook)`` would do the same on
 CUDA, but Lightning registers a strategy's hook only on CUDA devices; on CPU it is dropped and
 DDP averages every step, which DiLoCo then warns of at its first sync.) At ``on_train_end`` it
-calls ``DiLoCo.finish()``, so ``fit`` leaves one synced model on every rank, and validation
+calls ``DiLoCo.finish(module.buffers())``, so ``fit`` leaves one synced model on every rank
+(BatchNorm's statistics averaged), and validation
 during ``fit`` evaluates the model of the last sync (``DiLoCo.synced_weights()``), the same on
 every rank, not each rank's own between syncs.
 
@@ -86,14 +87,14 @@ class OnebitHookCallback(Callback):
         self.state = register_hook(model, opt, self.exchange_in_backward)
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        """For a :class:`~commopt.DiLoCo`: :meth:`~commopt.DiLoCo.finish` (collective), so the
-        model that ``fit`` leaves on every rank is the one model, synced, whatever step it
-        ended at."""
+        """For a :class:`~commopt.DiLoCo`: :meth:`~commopt.DiLoCo.finish` (collective), its
+        buffers (BatchNorm's statistics) averaged too, so the model that ``fit`` leaves on
+        every rank is the one model, synced, whatever step it ended at."""
         if not isinstance(trainer.strategy.model, DistributedDataParallel):
             return
         opt = _the_commopt_optimizer(trainer, "OnebitHookCallback")
         if isinstance(opt, DiLoCo):
-            opt.finish()
+            opt.finish(pl_module.buffers())
 
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """A :class:`~commopt.DiLoCo`'s anchors in the parameters (outside ``fit`` there is no

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import struct
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -54,17 +54,26 @@ def agree(backend: Backend, fields: Mapping[str, int], what: str) -> None:
         )
 
 
-def agree_on_steps(backend: Backend, step: int, what: str) -> None:
-    """Raise ``ValueError`` on every rank unless every rank has taken ``step`` inner steps (one
-    all-gather of one int64 per rank): ranks out of step would wait in syncs that the others
-    never enter."""
-    rows = _rows(backend, torch.tensor([step], dtype=torch.int64))
+def agree_on_steps(
+    backend: Backend, step: int, what: str, buffers: Sequence[torch.Tensor] = ()
+) -> None:
+    """Raise ``ValueError`` on every rank unless every rank has taken ``step`` inner steps and
+    passed ``buffers`` of as many elements (one all-gather of two int64 per rank): ranks out of
+    step would wait in syncs that the others never enter."""
+    numel = sum(b.numel() for b in buffers)
+    rows = _rows(backend, torch.tensor([step, numel], dtype=torch.int64))
     if len({row[0] for row in rows}) > 1:
         steps = ", ".join(f"rank {r} {row[0]}" for r, row in enumerate(rows))
         raise ValueError(
             f"{what}: the ranks took different numbers of inner steps ({steps}); every rank "
             "must call step() as often (the same number of batches on every rank: a "
             "DistributedSampler, drop_last=True)"
+        )
+    if len({row[1] for row in rows}) > 1:
+        sizes = ", ".join(f"rank {r} {row[1]}" for r, row in enumerate(rows))
+        raise ValueError(
+            f"{what}: the ranks passed floating-point buffers of different sizes ({sizes} "
+            "elements); pass the same model's buffers on every rank"
         )
 
 

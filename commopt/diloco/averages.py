@@ -37,6 +37,7 @@ __all__ = [
     "Fp32Average",
     "OnebitAverage",
     "PseudoGradientAverage",
+    "average_buffers_",
     "average_gradients_",
     "check_finite",
     "local_shard",
@@ -192,3 +193,20 @@ def average_gradients_(
             g.copy_(flat[offset : offset + g.numel()].view_as(g))
             offset += g.numel()
     return (backend.stats.snapshot() - before).bytes_sent, bool(count[2])
+
+
+def average_buffers_(backend: Backend, buffers: list[torch.Tensor]) -> int:
+    """``buffers`` (floating point: BatchNorm's running statistics) ← their fp32 mean over
+    ``backend``, one all-reduce of one flat buffer; every rank passes the same sizes. DiLoCo
+    syncs parameters, and each rank's buffers followed its own data and weights: this makes
+    them one at the end of training. Returns the bytes this rank sent (none for no buffers)."""
+    if not buffers:
+        return 0
+    before = backend.stats.snapshot()
+    flat = torch.cat([b.reshape(-1).float() for b in buffers])
+    backend.all_reduce(flat, "avg")
+    offset = 0
+    for b in buffers:
+        b.copy_(flat[offset : offset + b.numel()].view_as(b))
+        offset += b.numel()
+    return (backend.stats.snapshot() - before).bytes_sent

@@ -26,7 +26,7 @@ import contextlib
 import dataclasses
 import functools
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -55,8 +55,10 @@ from commopt.diloco.averages import (
     Fp32Average,
     OnebitAverage,
     PseudoGradientAverage,
+    average_buffers_,
     average_gradients_,
     check_finite,
+    local_shard,
 )
 from commopt.diloco.fragments import (
     Fragment,
@@ -166,11 +168,9 @@ class DiLoCo(torch.optim.Optimizer):
             ``"none"``), the error buffers left at zero; ``compression`` from the (K+1)-th on.
             The early pseudo-gradients are the large ones, where one bit loses the most.
             ``None``: :func:`default_fp32_syncs`, with ``"onebit"`` the syncs of the first 50
-            inner steps and at least two (K = 5 at H = 10 took the 1-bit gap to fp32 on digits
-            from +5.5 % to −2.5 % over 8 seeds, K = 2 at H = 50 from +4.8 % to −0.1 %;
-            docs/algorithms/diloco.md), for K·64·(n−1)/n bits per parameter once;
-            ``comm_stats()`` reports the rate after them apart. ``0``: 1 bit from the first
-            sync.
+            inner steps and at least two (docs/algorithms/diloco.md has the experiment), for
+            K·64·(n−1)/n bits per parameter once; ``comm_stats()`` reports the rate after them
+            apart. ``0``: 1 bit from the first sync.
         topology: ``"flat"``, or ``"hierarchical"``: every step averages gradients inside the
             node at fp32, so a node is one DiLoCo worker, and the sync crosses nodes through the
             hierarchical 1-bit exchange (``"none"``/``"bf16"`` average over all ranks).
@@ -394,10 +394,8 @@ class DiLoCo(torch.optim.Optimizer):
         for p in self._due(t):
             self._start(p, t)
 
-    # GradScaler.step(opt) skips step() on a rank that found an inf, and that rank would then
-    # miss its sync while the others wait in it. With this flag it calls step() on every rank,
-    # with grad_scale and found_inf set, and the inner step is skipped here instead: the step
-    # still counts, so every rank syncs at the same calls.
+    # GradScaler.step(opt) then calls step() on every rank, even one that found an inf (which
+    # would otherwise miss its sync): the inner step is skipped there instead (inner.py)
     _step_supports_amp_scaling = True
 
     @torch.compiler.disable
@@ -491,19 +489,23 @@ class DiLoCo(torch.optim.Optimizer):
             for frag, mine in zip(self.parts, own, strict=True):
                 frag.load_params_(mine)
 
-    def finish(self) -> None:
+    def finish(self, buffers: Iterable[torch.Tensor] = ()) -> None:
         """End of training: apply every delayed sync now, then sync every fragment that has
         taken inner steps since its last sync (collective). Afterwards all synced parameters
-        are bit-identical on every rank: the one model to evaluate and keep.
+        are bit-identical on every rank: the one model to evaluate and keep. Floating-point
+        ``buffers`` (``model.buffers()``: BatchNorm's running statistics) are averaged too.
 
         Raises:
             ValueError: on every rank, when the ranks took different numbers of inner steps
-                (the ranks behind would wait for ever in a sync the others never enter).
+                (the ranks behind would wait for ever in a sync the others never enter), or
+                passed buffers of different sizes.
         """
-        agree_on_steps(self.backend, self.progress.step, "DiLoCo.finish()")
+        floats = [local_shard(b) for b in buffers if b.is_floating_point()]
+        agree_on_steps(self.backend, self.progress.step, "DiLoCo.finish()", floats)
         for p, (future, _) in sorted(self.progress.pending.items()):
             del self.progress.pending[p]
             self._apply(p, future.result())
+        self.progress.bytes["sync"] += average_buffers_(self.backend, floats)
         if self.progress.step <= self.warmup_steps:
             return  # still data parallel: identical already
         for p, frag in enumerate(self.parts):
@@ -569,12 +571,8 @@ class DiLoCo(torch.optim.Optimizer):
             post_hook(self)
 
     def __getstate__(self) -> dict[str, Any]:
-        """Refused: ``torch.optim.Optimizer``'s pickling keeps only the parameter groups and the
-        state, and would give an object without the backend, anchors and error buffers.
-
-        Raises:
-            TypeError: always; save :meth:`state_dict` and load it into a new DiLoCo.
-        """
+        """Refused (``TypeError``): torch's pickling keeps only the parameter groups and the
+        state, and would give an object without the backend, anchors and error buffers."""
         raise TypeError(
             "DiLoCo cannot be pickled or deep-copied (it holds its backend's process groups and "
             "a communication thread); save opt.state_dict() and load it into a new DiLoCo"

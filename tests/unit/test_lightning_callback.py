@@ -136,8 +136,8 @@ def test_prune_false_keeps_every_folder(tmp_path) -> None:
 
 
 def test_under_ddp_a_diloco_is_finished_at_the_end_of_fit() -> None:
-    _, _, opt = one_rank_past_a_sync()
-    OnebitHookCallback().on_train_end(trainer_with(opt), None)
+    model, _, opt = one_rank_past_a_sync()
+    OnebitHookCallback().on_train_end(trainer_with(opt), model)
     assert opt.progress.last_sync == [6] and opt.comm_stats()["syncs"] == 2
 
 
