@@ -39,6 +39,7 @@ __all__ = [
     "PseudoGradientAverage",
     "average_buffers_",
     "average_gradients_",
+    "average_tensors_",
     "check_finite",
     "local_shard",
 ]
@@ -185,28 +186,28 @@ def average_gradients_(
             f"parameters (between {-int(count[1])} and {int(count[0])}); every rank must "
             "produce gradients for the same parameters"
         )
-    if grads:
-        flat = torch.cat([g.reshape(-1).float() for g in grads])
-        backend.all_reduce(flat, "avg")
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
+    average_tensors_(backend, grads)
     return (backend.stats.snapshot() - before).bytes_sent, bool(count[2])
 
 
 def average_buffers_(backend: Backend, buffers: list[torch.Tensor]) -> int:
-    """``buffers`` (floating point: BatchNorm's running statistics) ← their fp32 mean over
-    ``backend``, one all-reduce of one flat buffer; every rank passes the same sizes. DiLoCo
-    syncs parameters, and each rank's buffers followed its own data and weights: this makes
-    them one at the end of training. Returns the bytes this rank sent (none for no buffers)."""
-    if not buffers:
-        return 0
+    """``buffers`` (floating point: BatchNorm's running statistics) averaged over ``backend``
+    (:func:`average_tensors_`); every rank passes the same sizes. DiLoCo syncs parameters, and
+    each rank's buffers followed its own data and weights: this makes them one at the end of
+    training. Returns the bytes this rank sent (none for no buffers)."""
     before = backend.stats.snapshot()
-    flat = torch.cat([b.reshape(-1).float() for b in buffers])
+    average_tensors_(backend, buffers)
+    return (backend.stats.snapshot() - before).bytes_sent
+
+
+def average_tensors_(backend: Backend, tensors: list[torch.Tensor]) -> None:
+    """Each of ``tensors`` ← its fp32 mean over ``backend``: one all-reduce of one flat buffer
+    (nothing for no tensors)."""
+    if not tensors:
+        return
+    flat = torch.cat([t.reshape(-1).float() for t in tensors])
     backend.all_reduce(flat, "avg")
     offset = 0
-    for b in buffers:
-        b.copy_(flat[offset : offset + b.numel()].view_as(b))
-        offset += b.numel()
-    return (backend.stats.snapshot() - before).bytes_sent
+    for t in tensors:
+        t.copy_(flat[offset : offset + t.numel()].view_as(t))
+        offset += t.numel()
