@@ -11,7 +11,8 @@ mode has one), saved with ``state_dict()``, rebuilt from scratch, loaded and fin
 
 1. the parameters stay finite;
 2. right after every sync, the synced fragment is bit-identical on every rank;
-3. after ``finish()`` the whole model is bit-identical on every rank;
+3. after ``finish(model.buffers())`` the whole model, BatchNorm's statistics included, is
+   bit-identical on every rank;
 4. the resumed run ends bit for bit where the uninterrupted one does, on every rank.
 
 Used by tests/multirank/test_diloco_gloo.py (4 forked gloo ranks on CPU) and
@@ -54,7 +55,11 @@ MODES: dict[str, dict[str, Any]] = {
 def _model(rank: int, device: torch.device) -> torch.nn.Module:
     torch.manual_seed(100 + rank)  # a different start on every rank: DiLoCo broadcasts rank 0's
     return torch.nn.Sequential(
-        torch.nn.Linear(12, 32), torch.nn.GELU(), torch.nn.Linear(32, 24), torch.nn.Linear(24, 4)
+        torch.nn.Linear(12, 32),
+        torch.nn.BatchNorm1d(32),  # running statistics of each rank's own data
+        torch.nn.GELU(),
+        torch.nn.Linear(32, 24),
+        torch.nn.Linear(24, 4),
     ).to(device)
 
 
@@ -94,8 +99,8 @@ def _one(backend: Any, kw: dict[str, Any], device: torch.device) -> dict[str, An
     model, opt = _build(backend, kw, device)
     events: list = []
     _train(model, opt, rank, range(1, STEPS + 1), kw, events)
-    opt.finish()
-    final = _digest(list(model.parameters()))
+    opt.finish(model.buffers())
+    final = _digest([*model.parameters(), *model.buffers()])
     finite = all(bool(torch.isfinite(p).all()) for p in model.parameters())
 
     model, opt = _build(backend, kw, device)
@@ -107,12 +112,12 @@ def _one(backend: Any, kw: dict[str, Any], device: torch.device) -> dict[str, An
     model.load_state_dict(saved[0])
     opt.load_state_dict(saved[1])
     _train(model, opt, rank, range(RESUME_AT + 1, STEPS + 1), kw, [])
-    opt.finish()
+    opt.finish(model.buffers())
     return {
         "events": events,
         "final": final,
         "finite": finite,
-        "resumed": _digest(list(model.parameters())),
+        "resumed": _digest([*model.parameters(), *model.buffers()]),
         "in_flight_at_save": in_flight,
     }
 

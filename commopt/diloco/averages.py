@@ -192,20 +192,24 @@ def average_gradients_(
 
 def average_buffers_(backend: Backend, buffers: list[torch.Tensor]) -> int:
     """``buffers`` (floating point: BatchNorm's running statistics) averaged over ``backend``
-    (:func:`average_tensors_`); every rank passes the same sizes. DiLoCo syncs parameters, and
-    each rank's buffers followed its own data and weights: this makes them one at the end of
-    training. Returns the bytes this rank sent (none for no buffers)."""
+    in float64 (:func:`average_tensors_`); every rank passes the same sizes. DiLoCo syncs
+    parameters, and each rank's buffers followed its own data and weights: this makes them one
+    at the end of training. float64 keeps a buffer that is the same on every rank (a constant,
+    a rotary cache) bit for bit: an fp32 mean of three equal values is not always that value.
+    Returns the bytes this rank sent (none for no buffers)."""
     before = backend.stats.snapshot()
-    average_tensors_(backend, buffers)
+    average_tensors_(backend, buffers, torch.float64)
     return (backend.stats.snapshot() - before).bytes_sent
 
 
-def average_tensors_(backend: Backend, tensors: list[torch.Tensor]) -> None:
-    """Each of ``tensors`` ← its fp32 mean over ``backend``: one all-reduce of one flat buffer
-    (nothing for no tensors)."""
+def average_tensors_(
+    backend: Backend, tensors: list[torch.Tensor], dtype: torch.dtype = torch.float32
+) -> None:
+    """Each of ``tensors`` ← its mean over ``backend``, computed in ``dtype``: one all-reduce
+    of one flat buffer (nothing for no tensors)."""
     if not tensors:
         return
-    flat = torch.cat([t.reshape(-1).float() for t in tensors])
+    flat = torch.cat([t.reshape(-1).to(dtype) for t in tensors])
     backend.all_reduce(flat, "avg")
     offset = 0
     for t in tensors:

@@ -403,41 +403,47 @@ def test_finish_on_ranks_out_of_step_is_a_clear_error_not_a_hang() -> None:
 
 
 def _batchnorm(backend, with_buffers: bool, extra_on_rank_1: bool = False):
-    """A model with BatchNorm trained on each rank's own data (H = 3, 7 steps, so the last
-    step is not a sync): (its buffers before and after ``finish``)."""
+    """A model with BatchNorm, and a constant buffer, trained on each rank's own data (H = 3,
+    7 steps, so the last step is not a sync): (its buffers by name before and after
+    ``finish``, the bytes its syncs sent)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(
         torch.nn.Linear(6, 8), torch.nn.BatchNorm1d(8), torch.nn.Tanh(), torch.nn.Linear(8, 3)
     )
+    model.register_buffer("constant", torch.rand(100, generator=torch.Generator().manual_seed(0)))
     opt = commopt.DiLoCo(torch.optim.Adam(model.parameters(), lr=1e-2), sync_every=3)
     for step in range(1, 8):
         _loss(model, backend.rank, step).backward()
         opt.step()
         opt.zero_grad()
-    before = [b.clone() for b in model.buffers()]
+    before = {k: b.clone() for k, b in model.named_buffers()}
     buffers = list(model.buffers()) if with_buffers else []
     if extra_on_rank_1 and backend.rank == 1:
         buffers.append(torch.zeros(2))
     opt.finish(buffers)
-    return before, [b.clone() for b in model.buffers()], opt.comm_stats()["sync_bytes"]
+    after = {k: b.clone() for k, b in model.named_buffers()}
+    return before, after, opt.comm_stats()["sync_bytes"]
 
 
 def test_finish_averages_the_buffers_it_is_given_so_the_ranks_end_with_one_model() -> None:
     """DiLoCo syncs parameters; BatchNorm's running statistics follow each rank's data. Given
     ``model.buffers()``, ``finish`` averages the floating-point ones (the counter is the same
-    on every rank already); without them they stay each rank's own and nothing more is sent."""
+    on every rank already; a buffer equal on every rank stays bit for bit what it was, which
+    an fp32 mean of three does not); without them each rank keeps its own and nothing more is
+    sent."""
     world = 3
     averaged = run_ranks(_batchnorm, world, True, timeout=TIMEOUT)
     kept = run_ranks(_batchnorm, world, False, timeout=TIMEOUT)
-    for i, first in enumerate(averaged[0][1]):
-        if first.is_floating_point():
-            mean = sum(r[0][i] for r in averaged) / world
-            assert torch.allclose(first, mean, rtol=1e-6, atol=0)
-            assert not all(torch.equal(kept[0][1][i], r[1][i]) for r in kept)
-        assert all(torch.equal(first, r[1][i]) for r in averaged)  # one model
+    stats = ["1.running_mean", "1.running_var"]
+    for name in stats:
+        mean = sum(before[name].double() for before, _, _ in averaged) / world
+        assert all(torch.equal(after[name], mean.float()) for _, after, _ in averaged)
+        assert not all(torch.equal(kept[0][1][name], after[name]) for _, after, _ in kept)
+    for name in ["constant", "1.num_batches_tracked"]:  # equal on every rank: left as it was
+        assert all(torch.equal(after[name], before[name]) for before, after, _ in averaged)
     assert all(a[2] > k[2] for a, k in zip(averaged, kept, strict=True))
     pairs = zip(averaged, kept, strict=True)  # both runs trained alike up to finish()
-    assert all(torch.equal(x, y) for a, k in pairs for x, y in zip(a[0], k[0], strict=True))
+    assert all(torch.equal(a[0][k], b[0][k]) for a, b in pairs for k in a[0])
 
 
 def _other_buffers(backend):
