@@ -81,6 +81,8 @@ def main() -> None:
                     accelerator.save_state(folder)
                     commopt.save_checkpoint(os.path.join(folder, "commopt"), model, opt, step=step)
 
+    if args.diloco:  # the last sync of any steps since the previous one, buffers averaged
+        opt.finish(model.buffers())
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     identical, world = True, 1
     if dist.is_initialized():
