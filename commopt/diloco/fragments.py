@@ -83,7 +83,7 @@ class Fragment:
         average: PseudoGradientAverage,
         momentum: bool,
         per_tensor: bool,
-        scratch: torch.Tensor | None = None,
+        scratch: torch.Tensor,
     ) -> None:
         self.params = params
         shards = [local_shard(p) for p in params]  # (DTensors: this rank's FSDP2 shard)
@@ -94,9 +94,8 @@ class Fragment:
         device = shards[0].device
         self.anchor = torch.zeros(self.numel, dtype=torch.float32, device=device)
         self.momentum = torch.zeros_like(self.anchor) if momentum else None
-        #: Δ's scratch: ``scratch`` (shared with the other fragments, :func:`shared_scratch`),
-        #: or a buffer of its own
-        self.delta = torch.zeros_like(self.anchor) if scratch is None else scratch
+        #: Δ's scratch, shared with the other fragments (:func:`shared_scratch`)
+        self.delta = scratch
         #: (offset, numel) of each run of Δ averaged on its own: one per tensor (one 1-bit scale
         #: per tensor), or the whole fragment
         self.segments = [(0, self.numel)]
