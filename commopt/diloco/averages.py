@@ -168,7 +168,8 @@ def average_gradients_(
     backend: Backend, params: list[torch.Tensor], nonfinite: bool = False
 ) -> tuple[int, bool]:
     """Every gradient ← its fp32 mean over ``backend`` (one all-reduce of one flat buffer): the
-    data-parallel steps of DiLoCo's warmup (all ranks) and of its islands (the node). Returns
+    data-parallel steps of DiLoCo's warmup (all ranks) and of its islands (the node). A sparse
+    gradient stays sparse, over the union of the ranks' rows (as DDP averages it). Returns
     the bytes this rank sent, and whether ``nonfinite`` was true on any rank (GradScaler's
     verdict, agreed in the same tiny all-reduce as the gradient counts).
 
@@ -177,8 +178,8 @@ def average_gradients_(
             numbers of parameters (checked first, with one tiny all-reduce).
     """
     before = backend.stats.snapshot()
-    grads = [local_shard(p.grad) for p in params if p.grad is not None]
-    count = torch.tensor([len(grads), -len(grads), int(nonfinite)], dtype=torch.int64)
+    with_grads = [p for p in params if p.grad is not None]
+    count = torch.tensor([len(with_grads), -len(with_grads), int(nonfinite)], dtype=torch.int64)
     backend.all_reduce(count, "max")
     if int(count[0]) != -int(count[1]):
         raise ValueError(
@@ -186,8 +187,29 @@ def average_gradients_(
             f"parameters (between {-int(count[1])} and {int(count[0])}); every rank must "
             "produce gradients for the same parameters"
         )
-    average_tensors_(backend, grads)
+    sparse = [p for p in with_grads if p.grad.is_sparse]
+    dense = [local_shard(p.grad) for p in with_grads if not p.grad.is_sparse]
+    rows = [_densified(p.grad) for p in sparse]
+    average_tensors_(backend, dense + [t for pair in rows for t in pair])
+    for p, (values, present) in zip(sparse, rows, strict=True):
+        p.grad = _sparsified(values, present)
     return (backend.stats.snapshot() - before).bytes_sent, bool(count[2])
+
+
+# A sparse gradient (nn.Embedding(sparse=True)) is averaged densely, beside a 0/1 mark of the
+# rows it holds: the mean then keeps the union of the ranks' rows, each averaged over all n
+# ranks (a rank without the row adds zero), which is what DDP's sparse all-reduce gives, and a
+# sparse optimizer (SparseAdam) touches exactly those rows. It costs the dense size on the wire.
+def _densified(grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    grad = grad.coalesce()
+    present = torch.zeros(grad.shape[: grad.sparse_dim()], device=grad.device)
+    present[tuple(grad.indices())] = 1.0
+    return grad.to_dense(), present
+
+
+def _sparsified(values: torch.Tensor, present: torch.Tensor) -> torch.Tensor:
+    indices = present.nonzero().t()
+    return torch.sparse_coo_tensor(indices, values[tuple(indices)], values.shape, is_coalesced=True)
 
 
 def average_buffers_(backend: Backend, buffers: list[torch.Tensor]) -> int:
