@@ -11,7 +11,7 @@ from commopt.comm.base import CommStats, ReduceOp, check_equal_split
 from commopt.comm.channels import current_channel
 from commopt.comm.torch_compat import all_gather_flat
 
-__all__ = ["TorchBackend"]
+__all__ = ["TorchBackend", "staging_device_type"]
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
@@ -26,11 +26,25 @@ def _completes_with(work: dist.Work, out: torch.Tensor) -> torch.futures.Future[
     return work.get_future().then(finish)
 
 
+def staging_device_type(config: str) -> str | None:
+    """The device type a CPU tensor travels through on a process group whose backend config
+    (``torch.distributed.get_backend_config``) is ``config``: None where the group takes CPU
+    tensors (``"cpu:gloo,cuda:gloo"``, ``"cpu:gloo,cuda:nccl"``), else its first device type
+    (``"cuda:nccl"``, NCCL alone: ``"cuda"``)."""
+    kinds = [pair.split(":")[0].strip() for pair in config.split(",")]
+    return None if "cpu" in kinds else kinds[0]
+
+
 class TorchBackend:
     """Collectives through ``torch.distributed`` on ``group`` (default: the default group).
 
     gloo has no ``AVG`` reduction, so ``op="avg"`` is a sum followed by a division by
     ``world_size`` on every backend, which keeps results identical whichever engine runs.
+
+    On a group without a CPU backend (``init_process_group("nccl")``, and torch's default on a
+    CUDA machine) a CPU tensor is copied to the current device, reduced or moved there, and
+    copied back: commopt's agreement checks and counters are small CPU tensors, which NCCL
+    refuses ("No backend type associated with device type cpu").
     """
 
     name = "torch"
@@ -51,6 +65,8 @@ class TorchBackend:
         self.world_size = dist.get_world_size(group)
         self.stats = CommStats()
         self.engine = dist.get_backend(group)
+        #: the device type CPU tensors travel through (None: the group takes them)
+        self.cpu_staging = staging_device_type(str(dist.get_backend_config(group)))
         self._channels: dict[str, dist.ProcessGroup] = {}
 
     def open_channel(self, name: str) -> bool:
@@ -88,18 +104,27 @@ class TorchBackend:
         name = current_channel()
         return self._channels.get(name, self.group) if name is not None else self.group
 
+    def _staged(self, t: torch.Tensor, *, copy: bool = True) -> torch.Tensor:
+        """``t`` itself, or for a CPU tensor on a group without a CPU backend a tensor like it
+        on the current device (holding ``t``'s values when ``copy``)."""
+        if self.cpu_staging is None or t.device.type != "cpu":
+            return t
+        kind = self.cpu_staging
+        device = torch.device(kind, getattr(torch, kind).current_device())
+        return t.to(device) if copy else torch.empty_like(t, device=device)
+
     def all_reduce(self, t: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
         """``torch.distributed.all_reduce`` on this backend's group ("avg": the sum, then a
         division by ``world_size``)."""
+        if op not in _OPS and op != "avg":
+            raise ValueError(f"all_reduce: unknown op {op!r}; expected sum, avg, max or min")
         self.stats.record("all_reduce", t.numel() * t.element_size(), self.world_size)
+        staged = self._staged(t)
+        reduce_op = dist.ReduceOp.SUM if op == "avg" else _OPS[op]
+        dist.all_reduce(staged, op=reduce_op, group=self._group())
         if op == "avg":
-            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self._group())
-            t.div_(self.world_size)
-        else:
-            if op not in _OPS:
-                raise ValueError(f"all_reduce: unknown op {op!r}; expected sum, avg, max or min")
-            dist.all_reduce(t, op=_OPS[op], group=self._group())
-        return t
+            staged.div_(self.world_size)
+        return t if staged is t else t.copy_(staged)
 
     def all_reduce_async(
         self, t: torch.Tensor, op: ReduceOp = "sum"
@@ -113,12 +138,15 @@ class TorchBackend:
             raise ValueError(f"all_reduce: unknown op {op!r}; expected sum, avg, max or min")
         self.stats.record("all_reduce", t.numel() * t.element_size(), self.world_size)
         reduce_op = dist.ReduceOp.SUM if op == "avg" else _OPS[op]
-        work = dist.all_reduce(t, op=reduce_op, group=self._group(), async_op=True)
+        staged = self._staged(t)
+        work = dist.all_reduce(staged, op=reduce_op, group=self._group(), async_op=True)
         n = self.world_size
 
         def finish(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
             fut.wait()
-            return t.div_(n) if op == "avg" else t
+            if op == "avg":
+                staged.div_(n)
+            return t if staged is t else t.copy_(staged)
 
         return work.get_future().then(finish)
 
@@ -141,27 +169,41 @@ class TorchBackend:
     ) -> torch.futures.Future[torch.Tensor]:
         check_equal_split(op, out, t, self.world_size)
         self.stats.record(op, t.numel() * t.element_size(), self.world_size)
+        staged_out, staged = self._staged(out, copy=False), self._staged(t)
         if op == "all_gather":
-            work = all_gather_flat(out.view(-1), t.reshape(-1), self._group(), async_op=True)
+            work = all_gather_flat(
+                staged_out.view(-1), staged.reshape(-1), self._group(), async_op=True
+            )
         else:
             work = dist.all_to_all_single(
-                out.view(-1), t.reshape(-1), group=self._group(), async_op=True
+                staged_out.view(-1), staged.reshape(-1), group=self._group(), async_op=True
             )
-        return _completes_with(work, out)
+        if staged_out is out:
+            return _completes_with(work, out)
+
+        def finish(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
+            fut.wait()
+            return out.copy_(staged_out)
+
+        return work.get_future().then(finish)
 
     def all_gather(self, out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         """``all_gather_into_tensor`` (or a list gather where the engine lacks it)."""
         check_equal_split("all_gather", out, t, self.world_size)
         self.stats.record("all_gather", t.numel() * t.element_size(), self.world_size)
-        all_gather_flat(out.view(-1), t.reshape(-1), self._group())
-        return out
+        staged_out = self._staged(out, copy=False)
+        all_gather_flat(staged_out.view(-1), self._staged(t).reshape(-1), self._group())
+        return out if staged_out is out else out.copy_(staged_out)
 
     def all_to_all(self, out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         """``all_to_all_single``."""
         check_equal_split("all_to_all", out, t, self.world_size)
         self.stats.record("all_to_all", t.numel() * t.element_size(), self.world_size)
-        dist.all_to_all_single(out.view(-1), t.reshape(-1), group=self._group())
-        return out
+        staged_out = self._staged(out, copy=False)
+        dist.all_to_all_single(
+            staged_out.view(-1), self._staged(t).reshape(-1), group=self._group()
+        )
+        return out if staged_out is out else out.copy_(staged_out)
 
     def broadcast(self, t: torch.Tensor, src: int = 0) -> torch.Tensor:
         """``torch.distributed.broadcast`` from ``src`` (a group rank)."""
@@ -171,8 +213,9 @@ class TorchBackend:
         # torch.distributed takes a global rank for src; translate from the group rank.
         group = self._group()
         global_src = src if group is None else dist.get_global_rank(group, src)
-        dist.broadcast(t, src=global_src, group=group)
-        return t
+        staged = self._staged(t)
+        dist.broadcast(staged, src=global_src, group=group)
+        return t if staged is t else t.copy_(staged)
 
     def barrier(self) -> None:
         """``torch.distributed.barrier`` on this backend's group."""

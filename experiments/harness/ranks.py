@@ -35,17 +35,20 @@ class RankError(RuntimeError):
         super().__init__(shown)
 
 
-def _worker(rank: int, n: int, path: str, fn: Callable, args: tuple, queue: Any) -> None:
+def _worker(
+    rank: int, n: int, path: str, engine: str, fn: Callable, args: tuple, queue: Any
+) -> None:
     try:
         torch.set_num_threads(1)
         from commopt.comm import TorchBackend, set_default_backend
 
-        dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=n)
+        dist.init_process_group(engine, init_method=f"file://{path}", rank=rank, world_size=n)
         # A rank whose fn returns or raises at once (an argument check) would otherwise exit and
         # close its sockets while a slower rank is still inside gloo's connectFullMesh, which then
         # fails with "Connection closed by peer" (seen once in CI under two pytest workers).
         # Leaving the barrier means every rank has finished connecting.
-        dist.barrier()
+        if n > 1:
+            dist.barrier()
         backend = TorchBackend()
         set_default_backend(backend)
         result = fn(backend, *args)
@@ -60,12 +63,19 @@ def _worker(rank: int, n: int, path: str, fn: Callable, args: tuple, queue: Any)
 
 
 def run_ranks(
-    fn: Callable, world_size: int, *args: Any, timeout: float = 60.0, start: str = "fork"
+    fn: Callable,
+    world_size: int,
+    *args: Any,
+    timeout: float = 60.0,
+    start: str = "fork",
+    engine: str = "gloo",
 ) -> list[Any]:
     """Run ``fn(backend, *args)`` on ``world_size`` forked gloo ranks; return results by rank.
 
     ``start="spawn"`` starts fresh interpreters instead (CUDA cannot be used in a forked child
-    of a process that touched it; ``fn`` must then be importable by name).
+    of a process that touched it; ``fn`` must then be importable by name). ``engine`` is
+    ``init_process_group``'s backend: ``"cuda:gloo"`` gives a group without a CPU backend, as
+    NCCL's, on ranks that share one GPU.
 
     Raises:
         RankError: some rank raised (all messages included).
@@ -76,7 +86,9 @@ def run_ranks(
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "store")
         procs = [
-            ctx.Process(target=_worker, args=(r, world_size, path, fn, args, queue), daemon=True)
+            ctx.Process(
+                target=_worker, args=(r, world_size, path, engine, fn, args, queue), daemon=True
+            )
             for r in range(world_size)
         ]
         for p in procs:

@@ -27,6 +27,12 @@ def test_diloco_matrix_on_one_gpu_over_gloo_with_cuda_tensors() -> None:
     check_diloco(run_ranks(_on_gpu, 4, timeout=600.0, start="spawn"))
 
 
+def test_diloco_matrix_on_a_group_without_a_cpu_backend_as_nccls() -> None:
+    """ "cuda:gloo" stands in for NCCL (tests/gpu/test_multirank_gpu.py says why): DiLoCo's
+    agreement checks, step counts and finiteness flags are CPU tensors, staged through the GPU."""
+    check_diloco(run_ranks(_on_gpu, 4, timeout=600.0, start="spawn", engine="cuda:gloo"))
+
+
 def _scaled_on_gpu(backend, setup: str, use_scaler: bool):
     torch.cuda.set_device(0)
     return scaled_run(backend, setup, use_scaler, "cuda")

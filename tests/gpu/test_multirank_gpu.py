@@ -29,6 +29,8 @@ if not torch.cuda.is_available():
 
 from tests.device_matrix import WHOLE_MODES, check_matrix, run_matrix
 from tests.multirank.harness import run_ranks
+from tests.multirank.test_async_gloo import compare_async_with_blocking
+from tests.multirank.test_backends_gloo import check_collective_results, collective_results
 
 WORLD = 4
 TIMEOUT = 600.0
@@ -88,3 +90,23 @@ def test_fsdp_modes_on_one_gpu_over_gloo_with_cuda_tensors() -> None:
     """FSDP2 with CUDA shards (commopt.fsdp): 4 × 1 bitwise equal to standalone, 2 × 2 with
     bit-identical replicas (gloo's collectives on CUDA tensors, the 4 ranks on one GPU)."""
     check_matrix(run_ranks(_fsdp_on_gpu, WORLD, timeout=TIMEOUT, start="spawn"))
+
+
+# NCCL alone has no CPU backend ("No backend type associated with device type cpu"), and
+# commopt's agreement checks and counters are small CPU tensors; TorchBackend copies them to the
+# GPU and back. One GPU cannot host two NCCL ranks, so "cuda:gloo" stands in for NCCL here: a
+# group of the same shape, CUDA only, on 4 ranks sharing the GPU.
+def _without_a_cpu_backend(backend):
+    torch.cuda.set_device(0)
+    assert backend.cpu_staging == "cuda"
+    collectives = collective_results(backend)
+    compare_async_with_blocking(backend)
+    return collectives, run_matrix(backend, "cuda", modes=WHOLE_MODES)
+
+
+def test_on_a_group_without_a_cpu_backend_as_nccls_cpu_tensors_travel_through_the_gpu() -> None:
+    results = run_ranks(
+        _without_a_cpu_backend, WORLD, timeout=TIMEOUT, start="spawn", engine="cuda:gloo"
+    )
+    check_collective_results([collectives for collectives, _ in results])
+    check_matrix([matrix for _, matrix in results])

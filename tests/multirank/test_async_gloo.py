@@ -47,7 +47,9 @@ def _data(rank: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
     return x.to(dtype) if dtype.is_floating_point else (x.to(torch.int64) % 256).to(dtype)
 
 
-def _compare(backend) -> dict:
+def compare_async_with_blocking(backend) -> dict:
+    """The async collectives against the blocking ones, bit for bit, on CPU tensors; returns a
+    digest of what each gathered."""
     n = backend.world_size
     results = {}
     for dtype in (torch.float32, torch.bfloat16, torch.uint8):
@@ -81,7 +83,7 @@ def _compare(backend) -> dict:
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_async_collectives_equal_blocking_ones(world_size: int) -> None:
-    results = run_ranks(_compare, world_size, timeout=TIMEOUT)
+    results = run_ranks(compare_async_with_blocking, world_size, timeout=TIMEOUT)
     assert all(r == results[0] for r in results)  # every rank gathered the same data
 
 

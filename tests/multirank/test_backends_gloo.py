@@ -11,12 +11,14 @@ import multiprocessing as mp
 import os
 import pickle
 
+import pytest
 import torch
 import torch.distributed as dist
 
 import commopt
 from commopt import compressed_allreduce, padded_size
 from commopt.comm import TorchBackend
+from commopt.comm.torch_backend import staging_device_type
 from commopt.kernels import TorchKernels, use_kernels
 from tests.multirank.harness import free_port, run_ranks
 
@@ -31,7 +33,9 @@ def ints(rank: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 
 
 # -- the collectives on the default group --------------------------------------------------------
-def _collectives(be: TorchBackend) -> dict:
+def collective_results(be: TorchBackend) -> dict:
+    """Every collective of the backend on small CPU tensors (checked by
+    :func:`check_collective_results`)."""
     r, n = be.rank, be.world_size
     got: dict = {}
     for dtype in (torch.float32, torch.int64):
@@ -58,7 +62,13 @@ def _collectives(be: TorchBackend) -> dict:
 
 
 def test_collectives_on_four_ranks() -> None:
-    results = run_ranks(_collectives, N, timeout=120)
+    check_collective_results(run_ranks(collective_results, N, timeout=120))
+
+
+def check_collective_results(results: list[dict]) -> None:
+    """Each rank's :func:`collective_results` against the sums, gathers and copies computed
+    here."""
+    assert len(results) == N
     for rank, got in enumerate(results):
         for dtype in (torch.float32, torch.int64):
             stack = torch.stack([ints(r, SHAPE, dtype) for r in range(N)])
@@ -255,3 +265,44 @@ def test_init_from_torchrun_variables() -> None:
                 p.kill()
     for rank in range(n):
         assert pickle.loads(got[rank]) == (True, "gloo", rank, n, 3.0)
+
+
+# -- a group without a CPU backend (NCCL alone) ---------------------------------------------------
+@pytest.mark.parametrize(
+    "config, via",
+    [
+        ("cpu:gloo,cuda:gloo", None),  # "gloo"
+        ("cpu:gloo,cuda:nccl", None),
+        ("cuda:nccl", "cuda"),  # "nccl", and torch's default on a CUDA machine
+        ("cpu:mpi,cuda:mpi", None),
+        ("xpu:xccl", "xpu"),
+    ],
+)
+def test_cpu_tensors_are_staged_exactly_where_the_group_has_no_cpu_backend(config, via) -> None:
+    assert staging_device_type(config) == via
+
+
+def _cpu_less(be: TorchBackend) -> tuple[str | None, str, str]:
+    try:
+        dist.all_reduce(torch.zeros(2))
+        refused = ""
+    except RuntimeError as err:
+        refused = str(err)
+    try:
+        be.all_reduce(torch.zeros(2))
+        staged = ""
+    except (AssertionError, RuntimeError) as err:  # no CUDA on this machine to stage through
+        staged = str(err)
+    return be.cpu_staging, refused, staged
+
+
+def test_a_group_without_a_cpu_backend_refuses_cpu_tensors_so_the_backend_stages_them() -> None:
+    """On NCCL alone torch refuses a CPU tensor, and every agreement check of commopt's is one.
+    "cuda:gloo" has the same shape and runs here: torch refuses, and TorchBackend hands the
+    tensor to the GPU instead (which this machine lacks; tests/gpu runs it on one)."""
+    ((staging, refused, staged),) = run_ranks(_cpu_less, 1, timeout=60, engine="cuda:gloo")
+    assert staging == "cuda"
+    assert "No backend type associated with device type cpu" in refused
+    assert "No backend type" not in staged and "CUDA" in staged
+    gloo = run_ranks(_cpu_less, 2, timeout=60)
+    assert all(r == (None, "", "") for r in gloo)
