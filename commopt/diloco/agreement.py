@@ -22,7 +22,15 @@ from torch.distributed.tensor import DTensor
 
 from commopt.comm import Backend
 
-__all__ = ["LOCKSTEP_MESSAGE", "agree", "check_shards", "float_bits", "warn_if_in_lockstep"]
+__all__ = [
+    "LOCKSTEP_MESSAGE",
+    "agree",
+    "agree_on_steps",
+    "check_shards",
+    "float_bits",
+    "rows_at_step",
+    "warn_if_in_lockstep",
+]
 
 
 def float_bits(x: float) -> int:
@@ -56,12 +64,36 @@ def agree(backend: Backend, fields: Mapping[str, int], what: str) -> None:
 
 def agree_on_steps(
     backend: Backend, step: int, what: str, buffers: Sequence[torch.Tensor] = ()
-) -> None:
+) -> int:
     """Raise ``ValueError`` on every rank unless every rank has taken ``step`` inner steps and
-    passed ``buffers`` of as many elements (one all-gather of two int64 per rank): ranks out of
-    step would wait in syncs that the others never enter."""
+    passed ``buffers`` of as many elements (:func:`rows_at_step`); returns the bytes this rank
+    sent."""
+    before = backend.stats.snapshot()
     numel = sum(b.numel() for b in buffers)
-    rows = _rows(backend, torch.tensor([step, numel], dtype=torch.int64))
+    rows = rows_at_step(backend, step, what, numel)
+    if len({row[1] for row in rows}) > 1:
+        sizes = ", ".join(f"rank {r} {row[1]}" for r, row in enumerate(rows))
+        raise ValueError(
+            f"{what}: the ranks passed floating-point buffers of different sizes ({sizes} "
+            "elements); pass the same model's buffers on every rank"
+        )
+    return (backend.stats.snapshot() - before).bytes_sent
+
+
+def rows_at_step(backend: Backend, step: int, what: str, *fields: int) -> list[list[int]]:
+    """Every rank's ``fields`` (up to two integers), once every rank is known to be at inner
+    step ``step``: one all-gather of three int64 per rank.
+
+    Each of DiLoCo's collective moments (a sync, the warmup's and the islands' averaging,
+    ``finish()``) begins with this same collective, so a rank that ran out of data (in
+    ``finish()``) and one still training meet in it and both raise; two different collectives
+    would pair with each other instead (gloo aborts the process, NCCL waits for ever).
+
+    Raises:
+        ValueError: on every rank, naming each rank's step, when they differ.
+    """
+    mine = [step, *fields, 0, 0][:3]
+    rows = _rows(backend, torch.tensor(mine, dtype=torch.int64))
     if len({row[0] for row in rows}) > 1:
         steps = ", ".join(f"rank {r} {row[0]}" for r, row in enumerate(rows))
         raise ValueError(
@@ -69,12 +101,7 @@ def agree_on_steps(
             "must call step() as often (the same number of batches on every rank: a "
             "DistributedSampler, drop_last=True)"
         )
-    if len({row[1] for row in rows}) > 1:
-        sizes = ", ".join(f"rank {r} {row[1]}" for r, row in enumerate(rows))
-        raise ValueError(
-            f"{what}: the ranks passed floating-point buffers of different sizes ({sizes} "
-            "elements); pass the same model's buffers on every rank"
-        )
+    return rows
 
 
 def _rows(backend: Backend, mine: torch.Tensor) -> list[list[int]]:

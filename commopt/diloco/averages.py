@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor
 
 from commopt.comm import Backend
 from commopt.compressed import NonFiniteError
+from commopt.diloco.agreement import rows_at_step
 from commopt.exchange import Exchange
 
 __all__ = [
@@ -165,35 +166,37 @@ class OnebitAverage:
 
 @torch.no_grad()
 def average_gradients_(
-    backend: Backend, params: list[torch.Tensor], nonfinite: bool = False
+    backend: Backend, params: list[torch.Tensor], step: int, nonfinite: bool = False
 ) -> tuple[int, bool]:
     """Every gradient ← its fp32 mean over ``backend`` (one all-reduce of one flat buffer): the
     data-parallel steps of DiLoCo's warmup (all ranks) and of its islands (the node). A sparse
     gradient stays sparse, over the union of the ranks' rows (as DDP averages it). Returns
     the bytes this rank sent, and whether ``nonfinite`` was true on any rank (GradScaler's
-    verdict, agreed in the same tiny all-reduce as the gradient counts).
+    verdict, agreed in the same tiny all-gather as inner step ``step`` and the gradient
+    counts: :func:`~commopt.diloco.agreement.rows_at_step`).
 
     Raises:
-        ValueError: on every rank of ``backend``, when the ranks hold gradients for different
-            numbers of parameters (checked first, with one tiny all-reduce).
+        ValueError: on every rank of ``backend``, when the ranks are at different steps or
+            hold gradients for different numbers of parameters (checked first).
     """
     before = backend.stats.snapshot()
     with_grads = [p for p in params if p.grad is not None]
-    count = torch.tensor([len(with_grads), -len(with_grads), int(nonfinite)], dtype=torch.int64)
-    backend.all_reduce(count, "max")
-    if int(count[0]) != -int(count[1]):
+    what = f"DiLoCo, averaging the gradients of inner step {step}"
+    rows = rows_at_step(backend, step, what, len(with_grads), int(nonfinite))
+    counts = [row[1] for row in rows]
+    if len(set(counts)) > 1:
         raise ValueError(
             "DiLoCo: the ranks averaging gradients have gradients for different numbers of "
-            f"parameters (between {-int(count[1])} and {int(count[0])}); every rank must "
+            f"parameters (between {min(counts)} and {max(counts)}); every rank must "
             "produce gradients for the same parameters"
         )
     sparse = [p for p in with_grads if p.grad.is_sparse]
     dense = [local_shard(p.grad) for p in with_grads if not p.grad.is_sparse]
-    rows = [_densified(p.grad) for p in sparse]
-    average_tensors_(backend, dense + [t for pair in rows for t in pair])
-    for p, (values, present) in zip(sparse, rows, strict=True):
+    densified = [_densified(p.grad) for p in sparse]
+    average_tensors_(backend, dense + [t for pair in densified for t in pair])
+    for p, (values, present) in zip(sparse, densified, strict=True):
         p.grad = _sparsified(values, present)
-    return (backend.stats.snapshot() - before).bytes_sent, bool(count[2])
+    return (backend.stats.snapshot() - before).bytes_sent, any(row[2] for row in rows)
 
 
 # A sparse gradient (nn.Embedding(sparse=True)) is averaged densely, beside a 0/1 mark of the

@@ -31,6 +31,7 @@ import torch
 from commopt.comm import Backend
 from commopt.diloco.averages import PseudoGradientAverage, local_shard
 from commopt.diloco.fragments import Fragment
+from commopt.diloco.schedule import Progress
 
 __all__ = ["Parts", "load_state_dict", "state_dict"]
 
@@ -45,7 +46,7 @@ class Parts:
     backend: Backend
     average: PseudoGradientAverage
     parts: list[Fragment]
-    progress: Any  # commopt.diloco.outer.Progress
+    progress: Progress
     settings: dict[str, int]
 
 

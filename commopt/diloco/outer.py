@@ -23,7 +23,6 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import contextlib
-import dataclasses
 import functools
 import weakref
 from collections.abc import Callable, Iterable, Iterator
@@ -67,57 +66,12 @@ from commopt.diloco.fragments import (
     split_parameters,
 )
 from commopt.diloco.inner import scaled_step_inner, step_inner
+from commopt.diloco.schedule import OUTER_DEFAULTS, Progress, default_fp32_syncs
 from commopt.exchange import build_exchange, discover_topology
 from commopt.exchange.levels import build_level_backends, wants_shared_memory
 from commopt.optim.adam import refuse_complex_and_float64
 
-__all__ = ["FP32_START", "OUTER_DEFAULTS", "DiLoCo", "Progress", "default_fp32_syncs"]
-
-
-@dataclasses.dataclass
-class Progress:
-    """Where the outer loop stands: the state :class:`DiLoCo` keeps beside its fragments."""
-
-    step: int = 0
-    """inner steps taken"""
-    syncs: int = 0
-    """fragment averages run"""
-    fp32_syncs_run: int = 0
-    """of which at fp32 by ``fp32_syncs``"""
-    bytes: dict[str, int] = dataclasses.field(
-        default_factory=lambda: {"sync": 0, "fp32": 0, "warmup": 0, "local": 0}
-    )
-    """modelled bytes sent, by what sent them (:meth:`DiLoCo.comm_stats`; ``"fp32"``: the part
-    of ``"sync"`` sent by the first ``fp32_syncs`` syncs)"""
-    pending: dict[int, tuple[concurrent.futures.Future[torch.Tensor], int]] = dataclasses.field(
-        default_factory=dict
-    )
-    """fragment → (its average in flight, the step after which it is applied)"""
-    last_sync: list[int] = dataclasses.field(default_factory=list)
-    """per fragment, the step whose pseudo-gradient was last averaged (the warmup's end: W)"""
-    skipped: int = 0
-    """inner steps skipped for an inf/NaN gradient under ``GradScaler`` (they still count)"""
-
-
-#: (outer_lr, outer_momentum) per compression when not given (docs/algorithms/diloco.md)
-OUTER_DEFAULTS: dict[str, tuple[float, float]] = {
-    "onebit": (1.3, 0.0),
-    "none": (1.3, 0.0),
-    "bf16": (1.3, 0.0),
-}
-
-
-#: with ``compression="onebit"`` and ``fp32_syncs=None``, the syncs within the first this many
-#: inner steps, and at least two, average at fp32 (docs/algorithms/diloco.md, "The first syncs
-#: in fp32")
-FP32_START = 50
-
-
-def default_fp32_syncs(compression: Compression, sync_every: int) -> int:
-    """What ``fp32_syncs=None`` means: max(2, ⌈FP32_START / H⌉) with ``"onebit"`` (5 at
-    H = 10, 3 at H = 20, 2 at H ≥ 25), 0 with ``"none"`` and ``"bf16"``, whose syncs are not
-    1-bit anyway."""
-    return max(2, -(-FP32_START // sync_every)) if compression == "onebit" else 0
+__all__ = ["DiLoCo"]
 
 
 class DiLoCo(torch.optim.Optimizer):
@@ -359,6 +313,8 @@ class DiLoCo(torch.optim.Optimizer):
             NonFiniteError: some rank's pseudo-gradient holds inf/NaN; raised on every rank
                 with the anchor, the outer momentum and the error buffers unchanged (the
                 parameters keep their non-finite values: resume from a checkpoint).
+            ValueError: on every rank, when a sync or an averaging step finds the ranks at
+                different steps (one ran out of data and is in :meth:`finish`).
         """
         t = self.progress.step + 1
         level = self.backend if t <= self.warmup_steps else self._node_backend
@@ -413,6 +369,12 @@ class DiLoCo(torch.optim.Optimizer):
         return [p for p, o in enumerate(self._offsets) if s >= o and (s - o) % self.sync_every == 0]
 
     def _start(self, p: int, t: int) -> None:
+        # first, every rank is here at step t: one that ran out of data is in finish(), and
+        # both raise instead of pairing this sync's collectives with its check
+        fp32 = self._in_fp32(p, t)
+        sent = agree_on_steps(self.backend, t, f"DiLoCo's sync after inner step {t}")
+        self.progress.bytes["sync"] += sent
+        self.progress.bytes["fp32"] += sent if fp32 else 0
         frag = self.parts[p]
         self.progress.last_sync[p] = t
         frag.pseudo_gradient()
@@ -421,7 +383,6 @@ class DiLoCo(torch.optim.Optimizer):
             # islands' ranks share their node's steps by design; across nodes they must differ
             if self.topology != "hierarchical":
                 warn_if_in_lockstep(self.backend, frag.delta)
-        fp32 = self._in_fp32(p, t)
         if self._executor is None:
             self._apply(p, self._average(frag, fp32))
             return
@@ -460,7 +421,8 @@ class DiLoCo(torch.optim.Optimizer):
 
     @torch.compiler.disable
     def _average_gradients(self, backend: Backend, nonfinite: bool = False) -> bool:
-        sent, nonfinite = average_gradients_(backend, self._params, nonfinite)
+        step = self.progress.step + 1
+        sent, nonfinite = average_gradients_(backend, self._params, step, nonfinite)
         self.progress.bytes["warmup" if backend is self.backend else "local"] += sent
         return nonfinite
 
@@ -501,7 +463,10 @@ class DiLoCo(torch.optim.Optimizer):
                 passed buffers of different sizes.
         """
         floats = [local_shard(b) for b in buffers if b.is_floating_point()]
-        agree_on_steps(self.backend, self.progress.step, "DiLoCo.finish()", floats)
+        step, node = self.progress.step, self._node_backend
+        if node is not None and step >= self.warmup_steps:  # islands average on the node
+            self.progress.bytes["local"] += agree_on_steps(node, step, "DiLoCo.finish()")
+        self.progress.bytes["sync"] += agree_on_steps(self.backend, step, "DiLoCo.finish()", floats)
         for p, (future, _) in sorted(self.progress.pending.items()):
             del self.progress.pending[p]
             self._apply(p, future.result())

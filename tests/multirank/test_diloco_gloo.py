@@ -5,6 +5,7 @@ one rank, ranks that disagree, and a resume through checkpoint files."""
 
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 
@@ -18,6 +19,11 @@ from tests.multirank.harness import RankError, run_ranks
 
 TIMEOUT = 240.0
 H = 5
+
+
+def step_check(world: int) -> int:
+    """Bytes one rank sends in a sync's step check (an all-gather of three int64 per rank)."""
+    return (world - 1) * 3 * 8
 
 
 def test_matrix_on_four_gloo_ranks() -> None:
@@ -123,7 +129,7 @@ def test_equals_the_outer_loop_written_by_hand(compression, outer, scale, fp32_s
         assert torch.equal(by_hand, ours)
         assert stats["syncs"] == 3
         fp32 = 2 * 2 / 3 * 4 * stats["parameters"]  # one fp32 all-reduce (ring model)
-        onebit = stats["sync_bytes"] - fp32_syncs * fp32
+        onebit = stats["sync_bytes"] - fp32_syncs * fp32 - 3 * step_check(3)
         if compression == "onebit":  # the fp32 syncs counted at fp32, the rest at a fraction
             assert 0 < onebit < (3 - fp32_syncs) * fp32 / 4, stats  # (small tensors: padding)
 
@@ -169,9 +175,11 @@ def test_hierarchical_islands_average_inside_the_node_every_step_and_sync_across
     # scales and the records of the hierarchical checks add ~60 bytes here)
     flat = 2 * 3 / 4 * padded_size(stats["parameters"], 4) / 8
     onebit = stats["sync_bytes"] - stats["fp32_sync_bytes"]
-    assert onebit / (stats["syncs"] - fp32_syncs) < 0.5 * flat
+    assert (onebit / (stats["syncs"] - fp32_syncs)) - step_check(4) < 0.5 * flat
     # a first sync at fp32 averages over all four ranks: 2·(n−1)/n·4N + the n finiteness flags
-    assert stats["fp32_sync_bytes"] == fp32_syncs * (1.5 * 4 * stats["parameters"] + 12)
+    # + the step check
+    fp32 = 1.5 * 4 * stats["parameters"] + 12 + step_check(4)
+    assert stats["fp32_sync_bytes"] == fp32_syncs * fp32
 
 
 def _traffic(backend):
@@ -192,8 +200,10 @@ def test_onebit_sends_at_most_two_bits_per_parameter_per_sync_at_any_world_size(
     for s in stats:
         assert s["syncs"] == 4 and s["syncs_at_fp32"] == 2
         # the two fp32 syncs of the defaults at H = 50: each an all-reduce of the N fp32
-        # elements, 2·(n−1)/n·4N bytes, and an all-gather of the n 4-byte finiteness flags
+        # elements, 2·(n−1)/n·4N bytes, an all-gather of the n 4-byte finiteness flags, and
+        # the step check
         per_sync = 2 * (world - 1) / world * 4 * s["parameters"] + (world - 1) * 4
+        per_sync += step_check(world)
         assert s["fp32_sync_bytes"] == 2 * per_sync, s
         # then the 1-bit syncs: at most 1.05 × 2/H bits per parameter per inner step
         assert s["compressed_bits_per_parameter_per_step"] <= 1.05 * 2 / 50, s
@@ -388,18 +398,35 @@ def _every_rank_raises(body, world: int, text: str) -> None:
         assert text in message
 
 
-def _uneven(backend):
+def _uneven(backend, steps: tuple[int, int], kw: dict):
+    """Rank r takes ``steps[r]`` inner steps (it runs out of data), then calls ``finish()``."""
     model = _model()
-    opt = commopt.DiLoCo(torch.optim.Adam(model.parameters(), lr=1e-2), sync_every=H)
-    for step in range(1, 2 * H + 2 - backend.rank):  # rank 1 runs out of data a step early
+    opt = commopt.DiLoCo(torch.optim.Adam(model.parameters(), lr=1e-2), sync_every=H, **kw)
+    for step in range(1, steps[backend.rank] + 1):
         _loss(model, backend.rank, step).backward()
         opt.step()
         opt.zero_grad()
     opt.finish()
 
 
-def test_finish_on_ranks_out_of_step_is_a_clear_error_not_a_hang() -> None:
-    _every_rank_raises(_uneven, 2, "took different numbers of inner steps (rank 0 11, rank 1 10)")
+@pytest.mark.parametrize(
+    "steps, kw, seen",
+    [
+        ((2 * H + 1, 2 * H), {}, (2 * H + 1, 2 * H)),  # both in finish()
+        ((2 * H, 2 * H - 2), {}, (2 * H, 2 * H - 2)),  # rank 0 in the sync after step 2H
+        ((2 * H, 2 * H - 2), {"fragments": 2, "delay": 1}, (2 * H, 2 * H - 2)),  # sync on a thread
+        ((2 * H, 2 * H - 2), {"warmup_steps": 3 * H}, (2 * H - 1, 2 * H - 2)),  # in the warmup
+    ],
+    ids=["finish", "sync", "delayed-sync", "warmup"],
+)
+def test_ranks_out_of_step_get_a_clear_error_on_every_rank_not_a_hang(steps, kw, seen) -> None:
+    """A rank that ran out of data calls ``finish()`` while the others are still training: in
+    ``finish()`` too, in a sync, or in the warmup's averaging. Each of these begins with the
+    same step check, so every rank raises, naming each rank's step. A sync used to start its
+    exchange against the other rank's check: gloo aborted the process ("Is there a distributed
+    collective mismatch?"), and NCCL would wait for ever."""
+    expected = f"took different numbers of inner steps (rank 0 {seen[0]}, rank 1 {seen[1]})"
+    _every_rank_raises(functools.partial(_uneven, steps=steps, kw=kw), 2, expected)
 
 
 def _batchnorm(backend, with_buffers: bool, extra_on_rank_1: bool = False):
