@@ -169,43 +169,59 @@ def average_gradients_(
     backend: Backend, params: list[torch.Tensor], step: int, nonfinite: bool = False
 ) -> tuple[int, bool]:
     """Every gradient ← its fp32 mean over ``backend`` (one all-reduce of one flat buffer): the
-    data-parallel steps of DiLoCo's warmup (all ranks) and of its islands (the node). A sparse
-    gradient stays sparse, over the union of the ranks' rows (as DDP averages it). Returns
+    data-parallel steps of DiLoCo's warmup (all ranks) and of its islands (the node). Returns
     the bytes this rank sent, and whether ``nonfinite`` was true on any rank (GradScaler's
-    verdict, agreed in the same tiny all-gather as inner step ``step`` and the gradient
-    counts: :func:`~commopt.diloco.agreement.rows_at_step`).
+    verdict, agreed in the step check of inner step ``step``:
+    :func:`~commopt.diloco.agreement.rows_at_step`).
+
+    As DDP with ``find_unused_parameters=True``: a parameter without a gradient on some ranks
+    (a branch or an expert their batch did not use) counts as zero there, and gets the mean on
+    every rank; one without a gradient anywhere keeps none. A sparse gradient stays sparse,
+    over the union of the ranks' rows. One small all-reduce first says, per parameter, whether
+    any rank has a gradient and whether it is sparse.
 
     Raises:
-        ValueError: on every rank of ``backend``, when the ranks are at different steps or
-            hold gradients for different numbers of parameters (checked first).
+        ValueError: on every rank of ``backend``, when the ranks are at different steps.
     """
     before = backend.stats.snapshot()
-    with_grads = [p for p in params if p.grad is not None]
     what = f"DiLoCo, averaging the gradients of inner step {step}"
-    rows = rows_at_step(backend, step, what, len(with_grads), int(nonfinite))
-    counts = [row[1] for row in rows]
-    if len(set(counts)) > 1:
-        raise ValueError(
-            "DiLoCo: the ranks averaging gradients have gradients for different numbers of "
-            f"parameters (between {min(counts)} and {max(counts)}); every rank must "
-            "produce gradients for the same parameters"
-        )
-    sparse = [p for p in with_grads if p.grad.is_sparse]
-    dense = [local_shard(p.grad) for p in with_grads if not p.grad.is_sparse]
-    densified = [_densified(p.grad) for p in sparse]
+    rows = rows_at_step(backend, step, what, int(nonfinite))
+    kinds = torch.tensor([_kind(p.grad) for p in params], dtype=torch.int32)
+    backend.all_reduce(kinds, "max")
+    dense, sparse = [], []
+    for p, kind in zip(params, kinds.tolist(), strict=True):
+        if kind == 1:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            dense.append(local_shard(p.grad))
+        elif kind > 1:
+            sparse.append((p, kind - 1))
+    densified = [_densified(p, sparse_dim) for p, sparse_dim in sparse]
     average_tensors_(backend, dense + [t for pair in densified for t in pair])
-    for p, (values, present) in zip(sparse, densified, strict=True):
+    for (p, _), (values, present) in zip(sparse, densified, strict=True):
         p.grad = _sparsified(values, present)
-    return (backend.stats.snapshot() - before).bytes_sent, any(row[2] for row in rows)
+    return (backend.stats.snapshot() - before).bytes_sent, any(row[1] for row in rows)
+
+
+def _kind(grad: torch.Tensor | None) -> int:
+    """0: no gradient; 1: dense; 1 + its sparse dimensions: sparse."""
+    if grad is None:
+        return 0
+    return 1 + grad.sparse_dim() if grad.is_sparse else 1
 
 
 # A sparse gradient (nn.Embedding(sparse=True)) is averaged densely, beside a 0/1 mark of the
 # rows it holds: the mean then keeps the union of the ranks' rows, each averaged over all n
 # ranks (a rank without the row adds zero), which is what DDP's sparse all-reduce gives, and a
 # sparse optimizer (SparseAdam) touches exactly those rows. It costs the dense size on the wire.
-def _densified(grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    grad = grad.coalesce()
-    present = torch.zeros(grad.shape[: grad.sparse_dim()], device=grad.device)
+def _densified(p: torch.Tensor, sparse_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    rows = p.shape[:sparse_dim]
+    if p.grad is None:
+        return torch.zeros_like(p), torch.zeros(rows, device=p.device)
+    if not p.grad.is_sparse:
+        return p.grad, torch.ones(rows, device=p.device)
+    grad = p.grad.coalesce()
+    present = torch.zeros(rows, device=p.device)
     present[tuple(grad.indices())] = 1.0
     return grad.to_dense(), present
 

@@ -727,3 +727,49 @@ def test_sparse_gradients_are_averaged_in_warmup_as_ddp_averages_them() -> None:
     assert all(torch.equal(d[0], r[0]) for d, r in zip(diloco, ddp, strict=True))
     assert torch.equal(diloco[0][1], diloco[1][1])
     assert not torch.equal(diloco[0][0], diloco[0][1])  # the run went on after the warmup
+
+
+class _Branches(torch.nn.Module):
+    """A trunk, a head that rank 1 uses only at odd steps, and a head no rank ever uses."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.trunk, self.head, self.unused = (torch.nn.Linear(6, 3) for _ in range(3))
+
+    def forward(self, x: torch.Tensor, use_head: bool) -> torch.Tensor:
+        y = self.trunk(x)
+        return y + self.head(x) if use_head else y
+
+
+def _unused_parameters(backend, how: str):
+    """3 steps of Adam as DiLoCo's warmup (``how="diloco"``) or under DDP with
+    ``find_unused_parameters=True``; the parameters after them, and whether the never-used
+    head has a gradient."""
+    plain = _Branches()
+    model = plain
+    if how == "ddp":
+        model = torch.nn.parallel.DistributedDataParallel(plain, find_unused_parameters=True)
+    inner = torch.optim.Adam(model.parameters(), lr=1e-2)
+    opt = inner if how == "ddp" else commopt.DiLoCo(inner, sync_every=2, warmup_steps=3)
+    for step in range(1, 4):
+        g = torch.Generator().manual_seed(10 * step + backend.rank)
+        x = torch.randn(8, 6, generator=g)
+        model(x, backend.rank == 0 or step % 2 == 1).square().mean().backward()
+        opt.step()
+        if step < 3:
+            opt.zero_grad()
+    return [p.detach().clone() for p in plain.parameters()], plain.unused.weight.grad is None
+
+
+def test_a_gradient_missing_on_some_ranks_is_averaged_as_zero_as_ddp_averages_it() -> None:
+    """A head that one rank's batch did not use (a branch, an expert) has no gradient there:
+    the warmup averages it as zero, and every rank steps it with the mean, bit for bit DDP with
+    ``find_unused_parameters=True``; a head no rank used gets no gradient and no step. (The
+    averaging used to refuse it: "gradients for different numbers of parameters".)"""
+    diloco = run_ranks(_unused_parameters, 2, "diloco", timeout=TIMEOUT)
+    ddp = run_ranks(_unused_parameters, 2, "ddp", timeout=TIMEOUT)
+    for (ours, our_none), (theirs, their_none) in zip(diloco, ddp, strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))
+        assert our_none and their_none
+    assert all(torch.equal(a, b) for a, b in zip(diloco[0][0], diloco[1][0], strict=True))
