@@ -462,14 +462,17 @@ class DiLoCo(torch.optim.Optimizer):
                 (the ranks behind would wait for ever in a sync the others never enter), or
                 passed buffers of different sizes.
         """
+        # A delayed sync still in flight was started by every rank (after its step check), and
+        # may share this backend's communicator (no channel on a sub-group: FSDP2's replicate
+        # group): it completes before anything else goes over it.
+        for p, (future, _) in sorted(self.progress.pending.items()):
+            del self.progress.pending[p]
+            self._apply(p, future.result())
         floats = [local_shard(b) for b in buffers if b.is_floating_point()]
         step, node = self.progress.step, self._node_backend
         if node is not None and step >= self.warmup_steps:  # islands average on the node
             self.progress.bytes["local"] += agree_on_steps(node, step, "DiLoCo.finish()")
         self.progress.bytes["sync"] += agree_on_steps(self.backend, step, "DiLoCo.finish()", floats)
-        for p, (future, _) in sorted(self.progress.pending.items()):
-            del self.progress.pending[p]
-            self._apply(p, future.result())
         self.progress.bytes["sync"] += average_buffers_(self.backend, floats)
         if self.progress.step <= self.warmup_steps:
             return  # still data parallel: identical already

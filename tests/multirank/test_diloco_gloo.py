@@ -773,3 +773,31 @@ def test_a_gradient_missing_on_some_ranks_is_averaged_as_zero_as_ddp_averages_it
         assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))
         assert our_none and their_none
     assert all(torch.equal(a, b) for a, b in zip(diloco[0][0], diloco[1][0], strict=True))
+
+
+def _finish_in_flight(backend, on_subgroup: bool):
+    """DiLoCo with a delayed sync (H = 4, τ = 1) whose last step starts a sync, then
+    ``finish()``: over the default group (the sync on a channel of its own) or over a process
+    group of the same ranks (a sub-group: no channel, as FSDP2's replicate group)."""
+    if on_subgroup:
+        backend = commopt.TorchBackend(torch.distributed.new_group([0, 1]))
+    model = _model()
+    inner = torch.optim.Adam(model.parameters(), lr=1e-2)
+    opt = commopt.DiLoCo(inner, sync_every=4, delay=1, compression="none", backend=backend)
+    for step in range(1, 9):
+        _loss(model, backend.rank, step).backward()
+        opt.step()
+        opt.zero_grad()
+    opt.finish()
+    return opt._channel != "", _flat(model)
+
+
+def test_finish_with_a_sync_in_flight_on_a_backend_without_a_channel() -> None:
+    """On a backend that cannot open a channel the delayed sync shares the main communicator;
+    ``finish()`` now completes it before its own step check. It used to check first, and the
+    two collectives paired with each other: a gloo abort, a hang, or a step count of garbage."""
+    channel = run_ranks(_finish_in_flight, 2, False, timeout=TIMEOUT)
+    shared = run_ranks(_finish_in_flight, 2, True, timeout=TIMEOUT)
+    assert [c for c, _ in channel] == [True, True] and [c for c, _ in shared] == [False, False]
+    assert torch.equal(shared[0][1], shared[1][1])
+    assert all(torch.equal(a[1], b[1]) for a, b in zip(channel, shared, strict=True))
