@@ -67,6 +67,12 @@ class TorchBackend:
         self.engine = dist.get_backend(group)
         #: the device type CPU tensors travel through (None: the group takes them)
         self.cpu_staging = staging_device_type(str(dist.get_backend_config(group)))
+        # This thread's device now, not the caller's at each call: a communication thread's
+        # current CUDA device is device 0 whatever its rank's is (it is per thread).
+        self._staging_device: torch.device | None = None
+        module = getattr(torch, self.cpu_staging or "", None)
+        if module is not None and module.is_available():
+            self._staging_device = torch.device(self.cpu_staging, module.current_device())
         self._channels: dict[str, dist.ProcessGroup] = {}
 
     def open_channel(self, name: str) -> bool:
@@ -106,11 +112,18 @@ class TorchBackend:
 
     def _staged(self, t: torch.Tensor, *, copy: bool = True) -> torch.Tensor:
         """``t`` itself, or for a CPU tensor on a group without a CPU backend a tensor like it
-        on the current device (holding ``t``'s values when ``copy``)."""
+        on the device that was current when this backend was built (holding ``t``'s values when
+        ``copy``)."""
         if self.cpu_staging is None or t.device.type != "cpu":
             return t
-        kind = self.cpu_staging
-        device = torch.device(kind, getattr(torch, kind).current_device())
+        device = self._staging_device
+        if device is None:
+            raise RuntimeError(
+                f"TorchBackend: the process group has no CPU backend "
+                f"({dist.get_backend_config(self.group)}) and no {self.cpu_staging} device is "
+                "available to carry commopt's CPU tensors; initialize the group with a CPU "
+                "backend too, e.g. init_process_group('cpu:gloo,cuda:nccl')"
+            )
         return t.to(device) if copy else torch.empty_like(t, device=device)
 
     def all_reduce(self, t: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
