@@ -794,8 +794,10 @@ def _finish_in_flight(backend, on_subgroup: bool):
 
 def test_finish_with_a_sync_in_flight_on_a_backend_without_a_channel() -> None:
     """On a backend that cannot open a channel the delayed sync shares the main communicator;
-    ``finish()`` now completes it before its own step check. It used to check first, and the
-    two collectives paired with each other: a gloo abort, a hang, or a step count of garbage."""
+    ``finish()`` now completes it before its own step check. It used to check first, and
+    where a rank issued the check before the thread's all-reduce the two paired with each
+    other: a gloo abort, a hang, or a step count of garbage (a race: the old code failed here
+    in about one run in three)."""
     channel = run_ranks(_finish_in_flight, 2, False, timeout=TIMEOUT)
     shared = run_ranks(_finish_in_flight, 2, True, timeout=TIMEOUT)
     assert [c for c, _ in channel] == [True, True] and [c for c, _ in shared] == [False, False]
