@@ -7,9 +7,10 @@ all-reduce of the loss for logging, another optimizer's step), the two interleav
 on each rank, and gloo aborts, hangs or mixes up messages. So that thread gets a *channel*: a
 communicator of its own over the same ranks (``dist.new_group`` of the same ranks, or MPI's
 ``Dup``), opened collectively, and every collective issued while the channel is active on the
-calling thread goes over it. Backends that cannot open one (a sub-group of torch.distributed,
-whose ``new_group`` would need every process; MixedBackend; the shared-memory backend) keep
-using their one communicator: docs/overlap.md says which setups that leaves exposed.
+calling thread goes over it; MixedBackend opens it on each backend it routes to. Backends
+that cannot open one (a sub-group of torch.distributed, whose ``new_group`` would need every
+process; the shared-memory backend) keep using their one communicator: the optimizers refuse
+``overlap=True`` on them, and docs/overlap.md says what else that leaves exposed.
 """
 
 from __future__ import annotations

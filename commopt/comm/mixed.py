@@ -235,6 +235,29 @@ class MixedBackend:
         """The child name the table picks for ``op`` on ``nbytes`` bytes of ``dtype``."""
         return self.selection.select(op, nbytes, dtype)
 
+    # -- channels (commopt.comm.channels) ------------------------------------------------------
+    def open_channel(self, name: str) -> bool:
+        """Open channel ``name`` on every backend it routes to, in the table's order
+        (collective); False, with none left open, when one of them cannot open one."""
+        opened = []
+        for backend in self.backends.values():
+            opener = getattr(backend, "open_channel", None)
+            if opener is None or not opener(name):
+                for done in opened:
+                    closer = getattr(done, "close_channel", None)
+                    if closer is not None:
+                        closer(name)
+                return False
+            opened.append(backend)
+        return True
+
+    def close_channel(self, name: str) -> None:
+        """Close channel ``name`` on every backend it routes to."""
+        for backend in self.backends.values():
+            closer = getattr(backend, "close_channel", None)
+            if closer is not None:
+                closer(name)
+
     # -- routing ----------------------------------------------------------------------------------
     def _route(self, op: str, nbytes: int, t: torch.Tensor | None) -> Backend:
         name = self.selection.select(op, nbytes, None if t is None else t.dtype)

@@ -210,6 +210,15 @@ class CompressedOptimizer(torch.optim.Optimizer):
         if config.overlap:  # the channel opens collectively, while every rank constructs
             self._thread = CommThread.opened(f"commopt-{name}", self.backend)
             weakref.finalize(self, self._thread.close)  # (stopped once the optimizer is dropped)
+            if not self._thread.channel and self.backend.world_size > 1:
+                raise ValueError(
+                    f"{name}: overlap=True needs a backend that opens a communicator of its own "
+                    f"for its thread (the default torch.distributed group, MPI); {self.backend!r} "
+                    "cannot (a torch.distributed group other than the default one could only "
+                    "be copied by every process of the job), and the thread would then share "
+                    "the communicator with step()'s own collectives and hang or abort. Use "
+                    "overlap=False with this backend (docs/overlap.md)"
+                )
             self._hooks.enable([p for g in self.param_groups for p in g["params"]])
 
     # -- hooks for subclasses -----------------------------------------------------------------

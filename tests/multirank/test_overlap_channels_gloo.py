@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import commopt
 from tests.multirank.harness import run_ranks
 from tests.optim_registry import OPTIMIZERS
 
@@ -66,3 +67,24 @@ def test_user_collectives_and_a_second_optimizer_around_the_thread(names) -> Non
     ref = run_ranks(_train, WORLD, names, False, False, timeout=240)
     assert all(g[-1] == got[0][-1] for g in got), "replicas differ after the last step"
     assert got == ref  # every rank, every step (0/1 Adam's local steps differ between ranks)
+
+
+def _on_subgroup(world_backend, name: str) -> str:
+    backend = commopt.TorchBackend(dist.new_group(list(range(world_backend.world_size))))
+    info = next(i for i in OPTIMIZERS if i.name == name)
+    model = torch.nn.Linear(4, 2)
+    with pytest.raises(ValueError) as caught:
+        info.make(list(model.parameters()), backend=backend, overlap=True)
+    info.make(list(model.parameters()), backend=backend, overlap=False)  # still builds
+    return str(caught.value)
+
+
+@pytest.mark.parametrize("name", [i.name for i in OPTIMIZERS])
+def test_overlap_on_a_backend_without_a_channel_is_refused_when_built(name) -> None:
+    """A TorchBackend on a process group other than the default one cannot open a channel (a
+    copy of the group needs every process of the job), so the thread would share the
+    communicator with ``step()``'s own collectives: every run of 1-bit Adam with overlap on
+    a sub-group of 2 ranks aborted or hung (gloo: "Is there a distributed collective
+    mismatch?"). Now the optimizer refuses to be built so, on every rank."""
+    for message in run_ranks(_on_subgroup, 2, name, timeout=120):
+        assert f"{name}: overlap=True needs a backend that opens a communicator" in message

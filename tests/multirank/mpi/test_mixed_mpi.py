@@ -283,3 +283,54 @@ def test_mixed_backend_with_one_child_is_that_child(mpi_backend, world, n_ops) -
     for a, r in zip(got, expected(rank, n, seq), strict=True):
         assert torch.equal(a, r)
     assert mixed.switches == 0 and mixed.calls_by_backend == {"mpi": n_ops}
+
+
+def _train_with_backward(backend, rank: int, overlap: bool) -> list[torch.Tensor]:
+    """1-bit Adam on a small MLP with real backward passes (so that ``overlap=True`` starts
+    exchanges on its thread) and an all-reduce of the loss between backward and ``step()``."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 8))
+    opt = OnebitAdam(
+        model.parameters(),
+        lr=1e-2,
+        freeze_step=3,
+        backend=backend,
+        overlap=overlap,
+        bucket_numel=600,
+    )
+    for step in range(8):
+        g = torch.Generator().manual_seed(1000 * step + rank)
+        loss = model(torch.randn(8, 16, generator=g)).square().mean()
+        loss.backward()
+        backend.all_reduce(loss.detach().reshape(1).clone(), "avg")  # the program's own
+        opt.step()
+        opt.zero_grad()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_overlap_through_mixed_has_channels_and_equals_no_overlap(
+    torch_backend, mpi_backend, world, allgather
+) -> None:
+    """MixedBackend opens the thread's channel on each backend it routes to (a new group on
+    gloo, a ``Dup`` on MPI), so ``overlap=True`` runs beside ``step()``'s own collectives and
+    the program's; before, it could not open one, and the optimizer refuses overlap there."""
+    rank = world[0]
+    tbl = {
+        "format": "commopt-selection-table",
+        "version": 1,
+        "default": "torch",
+        "rules": [
+            rule("all_reduce", 0, 1024, "torch"),
+            rule("all_reduce", 1024, None, "mpi"),
+            rule("all_gather", 0, 64, "torch"),
+            rule("all_gather", 64, None, "mpi"),
+            rule("all_to_all", 0, None, "mpi"),
+        ],
+    }
+    mixed = MixedBackend({"torch": torch_backend, "mpi": mpi_backend}, tbl)
+    overlapped = _train_with_backward(mixed, rank, True)
+    plain = _train_with_backward(mixed, rank, False)
+    everyone = allgather(overlapped)
+    assert all(torch.equal(a, b) for a, b in zip(overlapped, plain, strict=True)), rank
+    assert all(torch.equal(a, b) for a, b in zip(everyone[0], overlapped, strict=True)), rank
+    assert mixed.calls_by_backend["torch"] > 0 and mixed.calls_by_backend["mpi"] > 0
