@@ -26,12 +26,14 @@ def rule(op, lo, hi, backend, dtype="*"):
     return {"op": op, "dtype": dtype, "min_bytes": lo, "max_bytes": hi, "backend": backend}
 
 
+def table(default: str, rules: list[dict]) -> dict:
+    return {"format": "commopt-selection-table", "version": 1, "default": default, "rules": rules}
+
+
 # Borders chosen so the sizes drawn below land on both sides of each, for every op.
-TABLE = {
-    "format": "commopt-selection-table",
-    "version": 1,
-    "default": "mpi",
-    "rules": [
+TABLE = table(
+    "mpi",
+    [
         rule("all_reduce", 0, 256, "torch"),
         rule("all_reduce", 256, 4096, "mpi"),
         rule("all_reduce", 4096, None, "torch"),
@@ -45,7 +47,7 @@ TABLE = {
         rule("broadcast", 300, None, "torch"),
         rule("barrier", 0, None, "torch"),
     ],
-}
+)
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int64]
 
 
@@ -184,6 +186,19 @@ def test_rank0_bad_table_fails_on_every_rank_alike(torch_backend, mpi_backend, w
     assert "rank 0 could not load" in everyone[0][3] and "nested too deeply" in everyone[0][3]
 
 
+#: large messages to MPI, small ones to gloo: every step switches several times
+SWITCHING = table(
+    "torch",
+    [
+        rule("all_reduce", 0, 1024, "torch"),
+        rule("all_reduce", 1024, None, "mpi"),
+        rule("all_gather", 0, 64, "torch"),
+        rule("all_gather", 64, None, "mpi"),
+        rule("all_to_all", 0, None, "mpi"),
+    ],
+)
+
+
 def train(backend, rank: int, steps: int = 8, freeze: int = 4) -> list[torch.Tensor]:
     shapes = [(64, 33), (33,), (4096,), (3, 5, 7)]
     params = [torch.nn.Parameter(torch.zeros(s)) for s in shapes]
@@ -201,20 +216,7 @@ def test_onebit_adam_through_mixed_equals_single_backend(
     torch_backend, mpi_backend, world, allgather
 ) -> None:
     rank = world[0]
-    # Large messages to MPI, small ones to gloo: every step switches several times.
-    tbl = {
-        "format": "commopt-selection-table",
-        "version": 1,
-        "default": "torch",
-        "rules": [
-            rule("all_reduce", 0, 1024, "torch"),
-            rule("all_reduce", 1024, None, "mpi"),
-            rule("all_gather", 0, 64, "torch"),
-            rule("all_gather", 64, None, "mpi"),
-            rule("all_to_all", 0, None, "mpi"),
-        ],
-    }
-    mixed = MixedBackend({"torch": torch_backend, "mpi": mpi_backend}, tbl)
+    mixed = MixedBackend({"torch": torch_backend, "mpi": mpi_backend}, SWITCHING)
     via_mixed = train(mixed, rank)
     via_torch = train(torch_backend, rank)
     via_mpi = train(mpi_backend, rank)
@@ -315,19 +317,7 @@ def test_overlap_through_mixed_has_channels_and_equals_no_overlap(
     gloo, a ``Dup`` on MPI), so ``overlap=True`` runs beside ``step()``'s own collectives and
     the program's; before, it could not open one, and the optimizer refuses overlap there."""
     rank = world[0]
-    tbl = {
-        "format": "commopt-selection-table",
-        "version": 1,
-        "default": "torch",
-        "rules": [
-            rule("all_reduce", 0, 1024, "torch"),
-            rule("all_reduce", 1024, None, "mpi"),
-            rule("all_gather", 0, 64, "torch"),
-            rule("all_gather", 64, None, "mpi"),
-            rule("all_to_all", 0, None, "mpi"),
-        ],
-    }
-    mixed = MixedBackend({"torch": torch_backend, "mpi": mpi_backend}, tbl)
+    mixed = MixedBackend({"torch": torch_backend, "mpi": mpi_backend}, SWITCHING)
     overlapped = _train_with_backward(mixed, rank, True)
     plain = _train_with_backward(mixed, rank, False)
     everyone = allgather(overlapped)
