@@ -32,7 +32,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -243,20 +243,14 @@ class MixedBackend:
         for backend in self.backends.values():
             opener = getattr(backend, "open_channel", None)
             if opener is None or not opener(name):
-                for done in opened:
-                    closer = getattr(done, "close_channel", None)
-                    if closer is not None:
-                        closer(name)
+                _close_channel(opened, name)
                 return False
             opened.append(backend)
         return True
 
     def close_channel(self, name: str) -> None:
         """Close channel ``name`` on every backend it routes to."""
-        for backend in self.backends.values():
-            closer = getattr(backend, "close_channel", None)
-            if closer is not None:
-                closer(name)
+        _close_channel(self.backends.values(), name)
 
     # -- routing ----------------------------------------------------------------------------------
     def _route(self, op: str, nbytes: int, t: torch.Tensor | None) -> Backend:
@@ -306,3 +300,11 @@ class MixedBackend:
 
 def _parse(text: str) -> dict[str, Any]:
     return json.loads(text)
+
+
+def _close_channel(backends: Iterable[Backend], name: str) -> None:
+    """Close channel ``name`` on each of ``backends`` that can close one."""
+    for backend in backends:
+        closer = getattr(backend, "close_channel", None)
+        if closer is not None:
+            closer(name)
