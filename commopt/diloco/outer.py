@@ -313,9 +313,12 @@ class DiLoCo(torch.optim.Optimizer):
             NonFiniteError: some rank's pseudo-gradient holds inf/NaN; raised on every rank
                 with the anchor, the outer momentum and the error buffers unchanged (the
                 parameters keep their non-finite values: resume from a checkpoint).
-            ValueError: on every rank, when a sync or an averaging step finds the ranks at
+            ValueError: the inner optimizer holds parameters other than those DiLoCo was
+                built with (a group added to it directly), before its inner step; or, on
+                every rank, when a sync or an averaging step finds the ranks at
                 different steps (one ran out of data and is in :meth:`finish`).
         """
+        self._check_parameters()
         t = self.progress.step + 1
         level = self.backend if t <= self.warmup_steps else self._node_backend
         if getattr(self, "found_inf", None) is not None:  # inside GradScaler.step (below)
@@ -333,6 +336,21 @@ class DiLoCo(torch.optim.Optimizer):
             loss = step_inner(self.inner, closure)
         self._advance(t)
         return loss
+
+    @torch.compiler.disable
+    def _check_parameters(self) -> None:
+        # a group added to the inner optimizer directly would train but never sync: the
+        # replicas would drift apart without a word
+        now = [p for g in self.inner.param_groups for p in g["params"]]
+        if len(now) != len(self._params) or any(a is not b for a, b in zip(now, self._params)):
+            raise ValueError(
+                f"DiLoCo syncs the {len(self._params)} parameter tensors its inner optimizer held "
+                f"when DiLoCo was built; the inner optimizer now holds {len(now)}, not all of "
+                "them those (inner.add_param_group?), and DiLoCo would never sync the new ones. "
+                "Build DiLoCo after the "
+                "last group is added (a frozen parameter is synced too: unfreeze it later with "
+                "requires_grad_)"
+            )
 
     # Under torch.compile(opt.step) dynamo compiles the inner step, as it would the inner
     # optimizer's own; what follows communicates (and calls numba): it runs eagerly.

@@ -96,6 +96,13 @@ def test_it_is_a_torch_optimizer_that_schedulers_drive_and_that_refuses_new_grou
     opt.load_state_dict(opt.state_dict())
     with pytest.raises(ValueError, match="add the parameter group to the inner optimizer first"):
         opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))]})
+    # added to the inner optimizer directly, the group would train and never sync
+    extra = torch.nn.Parameter(torch.ones(2))
+    opt.inner.add_param_group({"params": [extra]})
+    before = [p.clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match=r"held when DiLoCo was built; the inner optimizer now"):
+        _train(model, opt, [1])
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
     with pytest.raises(TypeError, match="other than DiLoCo, got DiLoCo"):
         commopt.DiLoCo(opt, sync_every=2, backend=SingleProcessBackend())
 
