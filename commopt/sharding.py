@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor
 
 from commopt.comm import Backend
 
-__all__ = ["Sharding", "local", "refuse_unattached_shards", "unshardable"]
+__all__ = ["Sharding", "local", "refuse_unattached_shards", "unjoinable", "unshardable"]
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -88,6 +88,25 @@ def unshardable(steps: int, topology: str, groups: list[dict[str, Any]]) -> str 
                     "parameters fp32 and compute in low precision with FSDP2's "
                     "MixedPrecisionPolicy(param_dtype=torch.bfloat16)"
                 )
+    return None
+
+
+def unjoinable(params: list[torch.Tensor], like: torch.Tensor) -> str | None:
+    """Why ``params``, a group added to an optimizer that steps shards like ``like``, cannot
+    join it; None: they can."""
+    for p in params:
+        if not isinstance(p, DTensor):
+            return (
+                f"a parameter of shape {tuple(p.shape)} is not sharded (not a DTensor): it "
+                "would be averaged over the replicas only, each rank of a shard group keeping "
+                "its own copy; shard its module with fully_shard(module, mesh=mesh['shard'])"
+            )
+        if p.device_mesh != like.device_mesh:  # type: ignore[attr-defined]
+            return (
+                f"a parameter (shape {tuple(p.shape)}) is sharded over {p.device_mesh}, the "
+                f"others over {like.device_mesh}; shard every module over "  # type: ignore[attr-defined]
+                "the same mesh['shard']"
+            )
     return None
 
 

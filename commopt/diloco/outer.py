@@ -342,7 +342,8 @@ class DiLoCo(torch.optim.Optimizer):
         # a group added to the inner optimizer directly would train but never sync: the
         # replicas would drift apart without a word
         now = [p for g in self.inner.param_groups for p in g["params"]]
-        if len(now) != len(self._params) or any(a is not b for a, b in zip(now, self._params)):
+        moved = len(now) != len(self._params)
+        if moved or any(a is not b for a, b in zip(now, self._params, strict=True)):
             raise ValueError(
                 f"DiLoCo syncs the {len(self._params)} parameter tensors its inner optimizer held "
                 f"when DiLoCo was built; the inner optimizer now holds {len(now)}, not all of "

@@ -53,7 +53,7 @@ from commopt.optim.config import (
 )
 from commopt.optim.flat_state import FlatState, grouped_segments
 from commopt.optim.freeze import AutoFreeze, FreezePoint
-from commopt.sharding import Sharding, refuse_unattached_shards, unshardable
+from commopt.sharding import Sharding, refuse_unattached_shards, unjoinable, unshardable
 
 __all__ = ["BucketOps", "CompressedOptimizer", "StepContext"]
 
@@ -242,10 +242,23 @@ class CompressedOptimizer(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """torch's ``add_param_group``; the group remembers the step it joined at
-        (``first_step``), and its parameters start their own schedule from there."""
+        (``first_step``), and its parameters start their own schedule from there.
+
+        Raises:
+            TypeError, ValueError: what the constructor refuses in a group (a float64 or
+                complex parameter, a per-group config key, a non-number hyperparameter), or,
+                on FSDP2 shards, a parameter that is not sharded like the others. The group
+                refused is not added.
+        """
         super().add_param_group(param_group)
         group = self.param_groups[-1]
-        check_param_group(group, type(self).__name__, self.config, self.defaults)
+        try:  # a group refused is not kept (the next step would trip over it)
+            check_param_group(group, type(self).__name__, self.config, self.defaults)
+            if self._comm.sharding is not None:
+                self._check_joins_shards(group)
+        except (TypeError, ValueError):
+            self.param_groups.pop()
+            raise
         group.setdefault("first_step", self.global_state["step"])
         if self._layout.states is not None:
             self._lay_out()
@@ -305,6 +318,16 @@ class CompressedOptimizer(torch.optim.Optimizer):
         return self._layout.lay_out(*args, sharding=self._comm.sharding)
 
     # -- sharded parameters (commopt.fsdp) -----------------------------------------------------
+    def _check_joins_shards(self, group: dict[str, Any]) -> None:
+        like = next(p for g in self.param_groups for p in g["params"])
+        topology = self.config.topology
+        refuse = unshardable(0, topology, [group]) or unjoinable(group["params"], like)
+        if refuse is not None:
+            raise ValueError(
+                f"{type(self).__name__} steps FSDP2 shards (commopt.fsdp.attach); the group "
+                f"added cannot join them: {refuse}"
+            )
+
     @property
     def sharding(self) -> Sharding | None:
         """The shard and replicate groups of sharded parameters (:meth:`shard_over`); None."""

@@ -381,6 +381,12 @@ def _refusals(backend):
     attempt(
         "native hsdp", lambda: commopt.fsdp.attach(native, commopt.OnebitAdam(native.parameters()))
     )
+    # groups added after attach: a whole parameter, or one sharded over another mesh
+    whole = nn.Parameter(torch.ones(3))
+    attempt("whole group", lambda: attached.add_param_group({"params": [whole]}))
+    elsewhere = next(native.parameters())
+    attempt("other mesh group", lambda: attached.add_param_group({"params": [elsewhere]}))
+    errors["groups kept"] = ("count", str(len(attached.param_groups)))
 
     flat_mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("shard",))
     pure = _mlp()
@@ -404,6 +410,9 @@ def test_clear_errors() -> None:
         "native hsdp": ("ValueError", "native HSDP"),
         "pure fsdp": ("ValueError", "nothing to average at one bit"),
         "commopt checkpoint": ("CheckpointError", "commopt.fsdp.save_checkpoint"),
+        "whole group": ("ValueError", "is not sharded (not a DTensor)"),
+        "other mesh group": ("ValueError", "shard every module over the same mesh['shard']"),
+        "groups kept": ("count", "1"),
     }
     assert set(errors) == set(expected), errors
     for key, (kind, text) in expected.items():

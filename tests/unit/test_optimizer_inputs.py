@@ -1,6 +1,7 @@
 """What the optimizers do with inputs torch.optim users pass without thinking: frozen parameters,
-complex, float64 and meta-device parameters, param groups added mid-run, a changed schedule on
-resume, and another rank's state dict (issue #15, items 1–4, 10, 11; issue #11, item 4)."""
+complex, float64 and meta-device parameters, param groups added mid-run (or refused, and then not
+kept), a changed schedule on resume, and another rank's state dict (issue #15, items 1–4, 10,
+11; issue #11, item 4)."""
 
 from __future__ import annotations
 
@@ -61,6 +62,27 @@ def test_float64_parameters_are_refused(info):
     opt = _make(info, [torch.nn.Parameter(torch.zeros(2))])
     with pytest.raises(TypeError, match="float64"):
         opt.add_param_group({"params": [d]})
+
+
+@pytest.mark.parametrize("info", OPTIMIZERS, ids=repr)
+def test_a_group_refused_is_not_added_and_the_optimizer_steps_on(info):
+    """The group used to stay in ``param_groups`` after its error: the next step failed with a
+    KeyError ('first_step'), or would have stepped the float64 parameter in fp32."""
+    w = torch.nn.Parameter(torch.randn(3))
+    twin = torch.nn.Parameter(w.detach().clone())
+    opt, alone = _make(info, [w]), _make(info, [twin])
+    refused = [
+        {"params": [torch.nn.Parameter(torch.ones(2, dtype=torch.float64))]},
+        {"params": [torch.nn.Parameter(torch.ones(2))], "lr": "0.1"},
+        {"params": [torch.nn.Parameter(torch.ones(2))], "maximize": True},
+    ]
+    for group in refused:
+        with pytest.raises((TypeError, ValueError)):
+            opt.add_param_group(group)
+        assert len(opt.param_groups) == 1
+    _train([w], opt, 4)
+    _train([twin], alone, 4)
+    assert torch.equal(w, twin)
 
 
 @pytest.mark.parametrize("info", OPTIMIZERS, ids=repr)
