@@ -72,6 +72,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from commopt import join
 from commopt.comm import all_reduce_async
 from commopt.comm.handoff import completed_future, device_future
 from commopt.optim._early import Kind
@@ -205,6 +206,13 @@ def onebit_hook(
     if opt is None:
         raise RuntimeError(
             "OnebitHookState has no optimizer (it was unpickled); set state.optimizer"
+        )
+    if not join.in_backward() and not join.in_join(opt):
+        raise RuntimeError(
+            "commopt.ddp.onebit_hook ran outside backward: this rank has joined (it ran out of "
+            "data inside DDP's join(), or a Join given the model alone), and DDP shadows its own "
+            "collectives only; the optimizer communicates in step() too. Give torch's Join the "
+            "optimizer as well: `with Join([model, optimizer]):` (docs/ddp.md)"
         )
     work = opt.early_work
     if not state.exchange_in_backward:

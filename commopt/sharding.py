@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor
 
 from commopt.comm import Backend
 
-__all__ = ["Sharding", "local", "refuse_unattached_shards", "unjoinable", "unshardable"]
+__all__ = ["Sharding", "local", "refuse_unattached_shards", "unlike_shards", "unshardable"]
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -91,7 +91,7 @@ def unshardable(steps: int, topology: str, groups: list[dict[str, Any]]) -> str 
     return None
 
 
-def unjoinable(params: list[torch.Tensor], like: torch.Tensor) -> str | None:
+def unlike_shards(params: list[torch.Tensor], like: torch.Tensor) -> str | None:
     """Why ``params``, a group added to an optimizer that steps shards like ``like``, cannot
     join it; None: they can."""
     for p in params:

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from commopt import join
 from commopt.choices import (
     COMPRESSIONS,
     OUTER_TOPOLOGIES,
@@ -192,6 +193,7 @@ class DiLoCo(torch.optim.Optimizer):
             for when in ("pre", "post"):
                 setattr(self, f"_optimizer_{kind}_{when}_hooks", collections.OrderedDict())
         self._patch_step_function()
+        self._join_config = join.disabled_join_config()  # (torch's Join sets it)
         self.inner = inner
         self.sync_every, self.compression, self.nesterov = sync_every, compression, bool(nesterov)
         self.fragments, self.delay, self.warmup_steps = fragments, delay, warmup_steps
@@ -318,6 +320,7 @@ class DiLoCo(torch.optim.Optimizer):
                 every rank, when a sync or an averaging step finds the ranks at
                 different steps (one ran out of data and is in :meth:`finish`).
         """
+        join.notify(self)  # this rank still has data (inside torch's Join; commopt.join)
         self._check_parameters()
         t = self.progress.step + 1
         level = self.backend if t <= self.warmup_steps else self._node_backend
@@ -372,6 +375,11 @@ class DiLoCo(torch.optim.Optimizer):
     # GradScaler.step(opt) then calls step() on every rank, even one that found an inf (which
     # would otherwise miss its sync): the inner step is skipped there instead (inner.py)
     _step_supports_amp_scaling = True
+
+    # torch's Joinable protocol: Join([optimizer]) on uneven inputs (commopt.join)
+    join_hook = join.join_hook_without_gradients
+    join_device = join.JOIN_DEVICE
+    join_process_group = join.JOIN_PROCESS_GROUP
 
     @torch.compiler.disable
     def _scaled_inner_step(self, level: Backend | None) -> Any:

@@ -20,6 +20,7 @@ from typing import Any, ClassVar
 import torch
 from torch.optim.optimizer import ParamsT
 
+from commopt import join
 from commopt.buckets import DEFAULT_BUCKET_NUMEL, Segment, local_shards
 from commopt.comm import Backend
 from commopt.compressed import NonFiniteError
@@ -53,7 +54,7 @@ from commopt.optim.config import (
 )
 from commopt.optim.flat_state import FlatState, grouped_segments
 from commopt.optim.freeze import AutoFreeze, FreezePoint
-from commopt.sharding import Sharding, refuse_unattached_shards, unjoinable, unshardable
+from commopt.sharding import Sharding, refuse_unattached_shards, unlike_shards, unshardable
 
 __all__ = ["BucketOps", "CompressedOptimizer", "StepContext"]
 
@@ -181,6 +182,10 @@ class CompressedOptimizer(torch.optim.Optimizer):
     _bucket_per_group: ClassVar[bool] = False
     #: the config field that may be ``"auto"`` or an AutoFreezeSettings (AutoFreeze decides)
     _freeze_field: ClassVar[str] = "freeze_step"
+    # torch's Joinable protocol: Join([ddp_model, optimizer]) on uneven inputs (commopt.join)
+    join_hook = join.join_hook
+    join_device = join.JOIN_DEVICE
+    join_process_group = join.JOIN_PROCESS_GROUP
 
     def __init__(
         self,
@@ -206,6 +211,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self._thread: CommThread | None = None  # overlap=True: runs the early collectives
         self._hooks = GradientHooks(self._weak_early_work())
         self._compression_announced = False  # logged once, on rank 0
+        self._join_config = join.disabled_join_config()  # (torch's Join sets it)
         super().__init__(params, defaults)
         if config.overlap:  # the channel opens collectively, while every rank constructs
             self._thread = CommThread.opened(f"commopt-{name}", self.backend)
@@ -321,7 +327,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
     def _check_joins_shards(self, group: dict[str, Any]) -> None:
         like = next(p for g in self.param_groups for p in g["params"])
         topology = self.config.topology
-        refuse = unshardable(0, topology, [group]) or unjoinable(group["params"], like)
+        refuse = unshardable(0, topology, [group]) or unlike_shards(group["params"], like)
         if refuse is not None:
             raise ValueError(
                 f"{type(self).__name__} steps FSDP2 shards (commopt.fsdp.attach); the group "
@@ -414,6 +420,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """One step: agree on the gradients, run the algorithm, or skip on every rank alike."""
+        join.notify(self)  # this rank still has data (inside torch's Join; commopt.join)
         with torch.enable_grad():
             loss = None if closure is None else closure()
         params = [p for g in self.param_groups for p in g["params"]]

@@ -31,6 +31,8 @@ FOREIGN_PRIVATES = {
     "_use_count",  # torch tensor
     "_cdata",  # torch storage
     "_execution_engine",  # torch.autograd.Variable
+    "_current_graph_task_id",  # torch._C: whether a backward pass runs (commopt.join)
+    "_join_config",  # torch's Joinable protocol: Join sets it on each joinable
 }
 
 
@@ -270,9 +272,10 @@ def test_the_helper_checker_finds_one(tmp_path: pathlib.Path) -> None:
 
 #: the public integration points, which take a user's optimizer by design (the issue's list,
 #: plus the HF Trainer's callback, the DeepSpeed config export and the monitor, whose hook
-#: has torch's signature)
+#: has torch's signature, and torch's Join protocol, whose hook steps the optimizer)
 TAKES_THE_OPTIMIZER = {
     "ddp.py",
+    "join.py",
     "fsdp.py",
     "lightning.py",
     "hf.py",

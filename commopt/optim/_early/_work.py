@@ -47,6 +47,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from commopt.comm import all_reduce_async
 from commopt.comm.handoff import device_future
 from commopt.compressed import NonFiniteError
+from commopt.join import in_backward
 from commopt.optim._early import EarlyPlan, Kind, StagedBuffers, StagedWork, fold_param_
 from commopt.optim._early._thread import ExchangeSchedule
 from commopt.optim.flat_state import FlatState
@@ -433,16 +434,21 @@ class EarlyWork:
         self.mismatch = None
 
 
-def after_ddp_backward(fn: Callable[[], None]) -> None:
-    """Run ``fn`` at the end of the current backward pass, after DDP has written ``p.grad``.
+def after_ddp_backward(fn: Callable[[], None]) -> bool:
+    """Run ``fn`` at the end of the current backward pass, after DDP has written ``p.grad``;
+    whether it was queued.
 
-    Called during backward (from a DDP communication hook). DDP queues its
-    ``finalize_backward`` on the autograd engine while backward runs; a callback queued then
-    runs before it, but one queued *by* such a callback runs after every callback queued during
-    backward, DDP's included.
+    Called from a DDP communication hook. DDP queues its ``finalize_backward`` on the autograd
+    engine while backward runs; a callback queued then runs before it, but one queued *by* such
+    a callback runs after every callback queued during backward, DDP's included. Outside a
+    backward pass (a joined rank, where DDP's join hook shadows one: :mod:`commopt.join`) DDP
+    writes no ``p.grad``, and there is nothing to run after it.
     """
+    if not in_backward():
+        return False
     engine = torch.autograd.Variable._execution_engine  # type: ignore[attr-defined]
     engine.queue_callback(lambda: engine.queue_callback(fn))
+    return True
 
 
 class EarlyReads:
@@ -466,8 +472,8 @@ class EarlyReads:
         """The DDP hook folded ``p``'s gradient for step ``step``; its ``p.grad`` is recorded
         at the end of backward (:meth:`after_backward`)."""
         self._begin(step, groups)
-        if not self._expected:
-            after_ddp_backward(self.after_backward)
+        if not self._expected and not after_ddp_backward(self.after_backward):
+            return  # no backward: a joined rank's (commopt.join), whose p.grad DDP leaves
         self._expected.append(p)
 
     def _begin(self, step: int, groups: Sequence[dict[str, Any]]) -> None:

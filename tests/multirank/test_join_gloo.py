@@ -1,0 +1,121 @@
+"""Uneven inputs under torch's ``Join`` (``commopt.join``), on forked gloo ranks.
+
+Rank 1 runs out of data after ``SHORT`` of ``STEPS`` batches. Inside ``Join([optimizer])`` (and
+``Join([ddp_model, optimizer])`` with commopt's DDP hook) it shadows the others' steps, and the
+run must end bit for bit where a run ends in which rank 1 kept stepping on zero gradients
+(``loss * 0``): DDP's meaning of a joined rank. For DiLoCo the joined rank takes no inner step
+and joins every sync with what it trained. Before, the ranks aborted in gloo or hung: the
+optimizer's collectives in ``step()`` had nothing to meet them on the joined rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.join import Join
+from torch.nn.parallel import DistributedDataParallel
+
+import commopt
+from tests.multirank.harness import run_ranks
+from tests.optim_registry import OPTIMIZERS, make_model
+
+TIMEOUT = 120.0
+STEPS, SHORT, FREEZE = 12, 7, 3
+
+
+def _digest(model: torch.nn.Module) -> str:
+    h = hashlib.sha256()
+    for p in model.parameters():
+        h.update(p.detach().contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def _build(backend, name: str, mode: str):
+    net = make_model()
+    model = DistributedDataParallel(net) if mode == "ddp-hook" else net
+    if name == "DiLoCo":
+        opt = commopt.DiLoCo(torch.optim.Adam(model.parameters(), lr=1e-2), sync_every=3)
+    else:
+        info = next(i for i in OPTIMIZERS if i.name == name)
+        opt = info.make(model.parameters(), mode=mode, freeze=FREEZE, backend=backend)
+    if mode == "ddp-hook":
+        commopt.ddp.register_hook(model, opt)
+    return model, opt
+
+
+def _batch(model: torch.nn.Module, step: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(100 * step + dist.get_rank())
+    x = torch.randn(4, next(model.parameters()).shape[1], generator=g)
+    return model(x).square().mean()
+
+
+def _uneven(backend, name: str, mode: str, joined: bool) -> str:
+    """``joined``: rank 1 stops after SHORT batches inside Join; else it goes on with no data of
+    its own: zero gradients (``loss * 0``), or, for DiLoCo, no backward at all."""
+    model, opt = _build(backend, name, mode)
+    mine = SHORT if joined and dist.get_rank() == 1 else STEPS
+    joinables = ([model] if mode == "ddp-hook" else []) + [opt]
+    with Join(joinables) if joined else contextlib.nullcontext():
+        for step in range(mine):
+            loss = _batch(model, step)
+            out_of_data = dist.get_rank() == 1 and step >= SHORT
+            if not (out_of_data and name == "DiLoCo"):
+                (loss * 0 if out_of_data else loss).backward()
+            opt.step()
+            opt.zero_grad()
+    if name == "DiLoCo":
+        opt.finish()
+    return _digest(model)
+
+
+@pytest.mark.parametrize(
+    ("name", "mode"),
+    [(i.name, mode) for i in OPTIMIZERS for mode in ("standalone", "ddp-hook", "overlap")]
+    + [("DiLoCo", "standalone")],
+)
+def test_a_joined_rank_shadows_the_steps_as_a_rank_with_zero_gradients(name, mode) -> None:
+    joined = run_ranks(_uneven, 2, name, mode, True, timeout=TIMEOUT)
+    zeros = run_ranks(_uneven, 2, name, mode, False, timeout=TIMEOUT)
+    if mode == "ddp-hook":  # DDP's join ends by broadcasting the last joiner's model (rank 0)
+        assert joined == [zeros[0]] * 2
+    else:  # (0/1 Adam's replicas differ between syncs, by design)
+        assert joined == zeros
+    if name != "ZeroOneAdam":
+        assert joined[0] == joined[1]
+
+
+def _misuse(backend, case: str) -> str:
+    model, opt = _build(backend, "OnebitAdam", "ddp-hook")
+    mine = 2 if dist.get_rank() == 1 else 4
+    try:
+        joinables = [model] if case == "model alone" else [model, opt]
+        kwargs = {"divide_by_initial_world_size": False} if case == "divide" else {}
+        with Join(joinables, **kwargs):
+            for step in range(mine):
+                _batch(model, step).backward()
+                opt.step()
+                opt.zero_grad()
+    except (RuntimeError, ValueError) as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def test_a_join_without_the_optimizer_is_a_clear_error_on_the_joined_rank() -> None:
+    """DDP's ``join()`` alone shadows DDP's collectives, not the optimizer's: the joined rank
+    says so (the other rank then loses its peer: gloo's error, not a hang)."""
+    out = run_ranks(_misuse, 2, "model alone", timeout=TIMEOUT)
+    assert out[1].startswith("RuntimeError: commopt.ddp.onebit_hook ran outside backward")
+    assert "`with Join([model, optimizer]):`" in out[1]
+    out = run_ranks(_misuse, 2, "divide", timeout=TIMEOUT)
+    assert all("divide_by_initial_world_size=True; False" in o for o in out), out
+
+
+def test_a_backend_without_a_torch_group_is_refused_by_join() -> None:
+    w = torch.nn.Parameter(torch.ones(2))
+    opt = commopt.OnebitAdam([w], freeze_step=3, backend=commopt.comm.SingleProcessBackend())
+    with pytest.raises(TypeError, match="torch's Join counts the joined ranks over a torch"):
+        Join([opt])
