@@ -62,7 +62,7 @@ class ShadowStep(JoinHook):
             is what the optimizer computes: the average over every rank, joined ones at zero.
 
     Raises:
-        ValueError: ``divide_by_initial_world_size=False``.
+        ValueError: ``divide_by_initial_world_size=False``, or an optimizer on FSDP2 shards.
     """
 
     def __init__(
@@ -76,6 +76,13 @@ class ShadowStep(JoinHook):
                 f"{type(optimizer).__name__} averages over every rank, a joined rank's zero "
                 "gradient included, as DDP's default divide_by_initial_world_size=True; False "
                 "(divide by the ranks still training) has no commopt form: leave it True"
+            )
+        if getattr(optimizer, "sharding", None) is not None or getattr(optimizer, "sharded", False):
+            raise ValueError(
+                f"{type(optimizer).__name__} steps FSDP2 shards, and FSDP2 is no joinable: a "
+                "joined rank could shadow the optimizer's collectives but not FSDP2's "
+                "all-gathers and reduce-scatters in forward and backward. Give every rank the "
+                "same number of batches (DistributedSampler(drop_last=True))"
             )
         super().__init__()
         self.optimizer = optimizer

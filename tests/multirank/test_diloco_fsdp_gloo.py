@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.join import Join
 
 import commopt
 from tests.multirank.harness import run_ranks
@@ -123,6 +124,12 @@ def _refusals(backend):
             commopt.DiLoCo(torch.optim.AdamW(model.parameters()), sync_every=H, **kw)
         except ValueError as err:
             errors[name] = str(err)
+    replicate = commopt.TorchBackend(mesh.get_group("replicate"))
+    opt = commopt.DiLoCo(torch.optim.AdamW(model.parameters()), sync_every=H, backend=replicate)
+    try:
+        Join([opt])
+    except ValueError as err:
+        errors["join"] = str(err)
     return errors
 
 
@@ -132,6 +139,7 @@ def test_the_wrong_group_or_topology_is_a_clear_error() -> None:
         assert "rank 0 shard 0 of 2, rank 1 shard 1 of 2" in errors["whole job"]
         assert "mesh.get_group('replicate')" in errors["whole job"]
         assert "already is the island" in errors["hierarchical"]
+        assert "FSDP2 is no joinable" in errors["join"]
 
 
 def _resume(backend, path):

@@ -24,6 +24,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.join import Join
 from torch.distributed.tensor import DTensor
 
 from tests.multirank.harness import run_ranks
@@ -387,6 +388,7 @@ def _refusals(backend):
     elsewhere = next(native.parameters())
     attempt("other mesh group", lambda: attached.add_param_group({"params": [elsewhere]}))
     errors["groups kept"] = ("count", str(len(attached.param_groups)))
+    attempt("join", lambda: Join([attached]))
 
     flat_mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("shard",))
     pure = _mlp()
@@ -413,6 +415,7 @@ def test_clear_errors() -> None:
         "whole group": ("ValueError", "is not sharded (not a DTensor)"),
         "other mesh group": ("ValueError", "shard every module over the same mesh['shard']"),
         "groups kept": ("count", "1"),
+        "join": ("ValueError", "FSDP2 is no joinable"),
     }
     assert set(errors) == set(expected), errors
     for key, (kind, text) in expected.items():

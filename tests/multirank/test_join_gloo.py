@@ -3,9 +3,10 @@
 Rank 1 runs out of data after ``SHORT`` of ``STEPS`` batches. Inside ``Join([optimizer])`` (and
 ``Join([ddp_model, optimizer])`` with commopt's DDP hook; DiLoCo under DDP: ``Join([optimizer])``)
 it shadows the others' steps, and the run must end bit for bit where a run ends in which rank 1
-kept stepping on zero gradients (``loss * 0``): DDP's meaning of a joined rank. For DiLoCo the joined rank takes no inner step
-and joins every sync with what it trained. Before, the ranks aborted in gloo or hung: the
-optimizer's collectives in ``step()`` had nothing to meet them on the joined rank.
+kept stepping on zero gradients (``loss * 0``): DDP's meaning of a joined rank. For DiLoCo the
+joined rank takes no inner step and joins every sync with what it trained. Before, the ranks
+aborted in gloo or hung: the optimizer's collectives in ``step()`` had nothing to meet them on
+the joined rank.
 """
 
 from __future__ import annotations
