@@ -14,12 +14,12 @@ so it is a joinable as well, as torch's ``ZeroRedundancyOptimizer`` is::
             optimizer.step()
             optimizer.zero_grad()
 
-A joined rank's shadow of one iteration is the optimizer's own ``step()`` with no gradient of its
-own: where another rank has a gradient, the optimizer takes this rank's as zero (the rule for a
-gradient missing on some ranks, docs/optimizers.md), exactly what DDP's shadow contributes. So
-the joined rank takes the same step as the others, with the same collectives, and keeps the same
-parameters and state: the ranks leave the context in step, and the next epoch's ``Join`` starts
-from one model. The average is over every rank, joined ones included, as DDP's default
+A joined rank's shadow of one iteration is the optimizer's own ``step()`` on zero gradients,
+exactly what DDP's shadow contributes. So the joined rank takes the same step as the others, with
+the same collectives, and keeps the same parameters and state: the ranks leave the context in
+step, and the next epoch's ``Join`` starts from one model. DiLoCo's shadow step has no gradient
+at all: its inner optimizer takes no step, and the rank joins every sync with what it trained on
+its own data. The average is over every rank, joined ones included, as DDP's default
 ``divide_by_initial_world_size=True``; ``False`` is refused.
 """
 
@@ -54,10 +54,12 @@ _shadowing: contextvars.ContextVar[bool] = contextvars.ContextVar("commopt_join"
 
 class ShadowStep(JoinHook):
     """A joined rank's part in each iteration the other ranks still run: ``optimizer.step()``
-    with every gradient unset (a zero gradient wherever another rank has one).
+    with no data of the rank's own.
 
     Args:
         optimizer: a commopt optimizer or :class:`~commopt.DiLoCo`.
+        zero_gradients: step on zero gradients (every parameter that requires one); False: on
+            none (``p.grad`` unset).
         divide_by_initial_world_size: torch's ``Join`` keyword (DDP's); only True, the default,
             is what the optimizer computes: the average over every rank, joined ones at zero.
 

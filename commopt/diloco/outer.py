@@ -351,9 +351,8 @@ class DiLoCo(torch.optim.Optimizer):
                 f"DiLoCo syncs the {len(self._params)} parameter tensors its inner optimizer held "
                 f"when DiLoCo was built; the inner optimizer now holds {len(now)}, not all of "
                 "them those (inner.add_param_group?), and DiLoCo would never sync the new ones. "
-                "Build DiLoCo after the "
-                "last group is added (a frozen parameter is synced too: unfreeze it later with "
-                "requires_grad_)"
+                "Build DiLoCo after the last group is added (a frozen parameter is synced too: "
+                "unfreeze it later with requires_grad_)"
             )
 
     # Under torch.compile(opt.step) dynamo compiles the inner step, as it would the inner

@@ -261,7 +261,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         try:  # a group refused is not kept (the next step would trip over it)
             check_param_group(group, type(self).__name__, self.config, self.defaults)
             if self._comm.sharding is not None:
-                self._check_joins_shards(group)
+                self._check_group_is_sharded(group)
         except (TypeError, ValueError):
             self.param_groups.pop()
             raise
@@ -324,7 +324,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         return self._layout.lay_out(*args, sharding=self._comm.sharding)
 
     # -- sharded parameters (commopt.fsdp) -----------------------------------------------------
-    def _check_joins_shards(self, group: dict[str, Any]) -> None:
+    def _check_group_is_sharded(self, group: dict[str, Any]) -> None:
         like = next(p for g in self.param_groups for p in g["params"])
         topology = self.config.topology
         refuse = unshardable(0, topology, [group]) or unlike_shards(group["params"], like)
