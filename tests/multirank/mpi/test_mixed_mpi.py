@@ -7,6 +7,7 @@ reference computed locally from the input formula.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -324,3 +325,45 @@ def test_overlap_through_mixed_has_channels_and_equals_no_overlap(
     assert all(torch.equal(a, b) for a, b in zip(overlapped, plain, strict=True)), rank
     assert all(torch.equal(a, b) for a, b in zip(everyone[0], overlapped, strict=True)), rank
     assert mixed.calls_by_backend["torch"] > 0 and mixed.calls_by_backend["mpi"] > 0
+
+
+def _uneven(backend, rank: int, joined: bool) -> list[torch.Tensor]:
+    """:func:`train`'s parameters with rank 1 out of data after 5 of 10 steps: inside torch's
+    ``Join`` (``joined``), or stepping on zero gradients."""
+    from torch.distributed.algorithms.join import Join
+
+    params = [torch.nn.Parameter(torch.zeros(s)) for s in [(64, 33), (4096,)]]
+    opt = OnebitAdam(params, lr=1e-2, freeze_step=4, backend=backend)
+    mine = 5 if joined and rank == 1 else 10
+    with Join([opt]) if joined else contextlib.nullcontext():
+        for step in range(mine):
+            g = torch.Generator().manual_seed(1000 * step + rank)
+            for p in params:
+                p.grad = torch.randint(-64, 65, p.shape, generator=g).float() / 64
+                if rank == 1 and step >= 5:
+                    p.grad.zero_()
+            opt.step()
+    return [p.detach().clone() for p in params]
+
+
+def test_join_through_mixed_shadows_the_mpi_collectives_and_mpi_alone_is_refused(
+    torch_backend, mpi_backend, world, allgather
+) -> None:
+    """torch's Join counts the joined ranks over the MixedBackend's torch group, while the
+    optimizer's collectives go through both libraries; an MpiBackend has no torch group."""
+    from torch.distributed.algorithms.join import Join
+
+    rank = world[0]
+    mixed = MixedBackend({"torch": torch_backend, "mpi": mpi_backend}, SWITCHING)
+    joined = _uneven(mixed, rank, True)
+    zeros = _uneven(mixed, rank, False)
+    try:
+        Join([OnebitAdam([torch.nn.Parameter(torch.ones(2))], freeze_step=3, backend=mpi_backend)])
+        refused = ""
+    except TypeError as e:
+        refused = str(e)
+    everyone = allgather(joined)
+    assert all(torch.equal(a, b) for a, b in zip(joined, zeros, strict=True))
+    for theirs in everyone:
+        assert all(torch.equal(a, b) for a, b in zip(joined, theirs, strict=True))
+    assert "torch's Join counts the joined ranks" in refused and "MpiBackend" in refused
