@@ -207,7 +207,8 @@ def onebit_hook(
         raise RuntimeError(
             "OnebitHookState has no optimizer (it was unpickled); set state.optimizer"
         )
-    if not join.in_backward() and not join.in_join(opt):
+    shadow = not join.in_backward()  # a joined rank: DDP's join hook shadows a backward
+    if shadow and not join.in_join(opt):
         raise RuntimeError(
             "commopt.ddp.onebit_hook ran outside backward: this rank has joined (it ran out of "
             "data inside DDP's join(), or a Join given the model alone), and DDP shadows its own "
@@ -250,10 +251,28 @@ def onebit_hook(
         copy = buffer.to(torch.float32, copy=True)
         fut = all_reduce_async(opt.backend, copy, "avg")
         pending.append((fut, [(slices[i], slices[i].start, params[i].numel()) for i in foreign]))
-    if not pending:
-        return completed_future(buffer)  # written on this (backward's) stream
-    # 4. DDP waits on ``result`` and reads the bucket on its stream: each average is waited
-    # for on the stream that copies it, and ``result`` records that stream (comm.handoff).
+    # 4.
+    done = _finished(buffer, pending) if pending else completed_future(buffer)
+    if not shadow:
+        return done
+
+    def write(fut: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
+        # DDP writes no p.grad on a joined rank: write what it writes on a rank with data
+        out = fut.value()
+        grads = [out[where].view_as(p).clone() for p, where in zip(params, slices, strict=True)]
+        join.set_gradients_as_ddp(params, grads)
+        return out
+
+    return done.then(write)
+
+
+def _finished(
+    buffer: torch.Tensor,
+    pending: list[tuple[torch.futures.Future[torch.Tensor], list[tuple[slice, int, int]]]],
+) -> torch.futures.Future[torch.Tensor]:
+    """The bucket, once every average in ``pending`` is copied into it. DDP waits on the
+    result and reads the bucket on its stream: each average is waited for on the stream that
+    copies it, and the result records that stream (comm.handoff)."""
     result = device_future(buffer.device)
 
     def finish(fut: torch.futures.Future[Any]) -> None:
@@ -291,6 +310,11 @@ def register_hook(
 
     Raises:
         TypeError: ``model`` is not DistributedDataParallel, or ``optimizer`` is neither.
+
+    The optimizer's parameters are also added to DDP's ``parameters_to_ignore``, which DDP
+    reads after construction only where torch's ``Join`` ends (docs/ddp.md, "Uneven inputs"):
+    there DDP broadcasts the last joiner's parameters to every rank, and the optimizer keeps its
+    replicas itself (0/1 Adam's and DiLoCo's differ between syncs, by design).
     """
     from torch.distributed.algorithms.ddp_comm_hooks.debugging_hooks import noop_hook
 
@@ -300,14 +324,18 @@ def register_hook(
         raise TypeError(
             f"register_hook needs a DistributedDataParallel model, got {type(model).__name__}"
         )
-    if isinstance(optimizer, DiLoCo):
-        model.register_comm_hook(None, noop_hook)
-        return None
-    if not isinstance(optimizer, CompressedOptimizer):
+    if not isinstance(optimizer, (DiLoCo, CompressedOptimizer)):
         raise TypeError(
             f"register_hook needs a commopt optimizer or DiLoCo, got {type(optimizer).__name__} "
             "(pass the optimizer you built, not a framework's wrapper of it)"
         )
+    mine = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    model.parameters_to_ignore.update(
+        name for name, p in model.module.named_parameters() if id(p) in mine
+    )
+    if isinstance(optimizer, DiLoCo):
+        model.register_comm_hook(None, noop_hook)
+        return None
     state = OnebitHookState(optimizer, exchange_in_backward)
     model.register_comm_hook(state, onebit_hook)
     return state

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, JoinHook, _JoinConfig
+from torch.utils.weak import WeakIdKeyDictionary
 
 from commopt.comm import Backend, MixedBackend, TorchBackend
 
@@ -45,11 +46,14 @@ __all__ = [
     "join_hook",
     "join_hook_without_gradients",
     "notify",
+    "set_gradients_as_ddp",
 ]
 
 # True while a joined rank's optimizer runs its shadow step (its own step() must not tell the
 # context manager that the rank still has data)
 _shadowing: contextvars.ContextVar[bool] = contextvars.ContextVar("commopt_join", default=False)
+# the gradients commopt's DDP hook set in the current shadow iteration (set_gradients_as_ddp)
+_ddp_wrote: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 class ShadowStep(JoinHook):
@@ -94,15 +98,27 @@ class ShadowStep(JoinHook):
         """One shadow step: no data of this rank's own, every collective of the step."""
         token = _shadowing.set(True)
         try:
-            self.optimizer.zero_grad(set_to_none=True)  # not this rank's last batch again
-            if self.zero_gradients:
-                for group in self.optimizer.param_groups:
-                    for p in group["params"]:
-                        if p.requires_grad:
-                            p.grad = torch.zeros_like(p)
+            for group in self.optimizer.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None and p.grad in _ddp_wrote:
+                        continue  # what DDP's shadow of this iteration left there (ddp.py)
+                    # not this rank's last batch again
+                    p.grad = (
+                        torch.zeros_like(p) if self.zero_gradients and p.requires_grad else None
+                    )
             self.optimizer.step()
         finally:
+            _ddp_wrote.clear()
             _shadowing.reset(token)
+
+
+def set_gradients_as_ddp(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> None:
+    """On a joined rank, ``p.grad = g`` where DDP writes a rank's gradients after backward (the
+    bucket's average, or the local gradient: zero), which DDP's shadow of a backward does not:
+    the shadow step then steps on them, as the other ranks step on theirs."""
+    for p, g in zip(params, grads, strict=True):
+        p.grad = g
+        _ddp_wrote[g] = True
 
 
 def disabled_join_config() -> Any:

@@ -1,9 +1,9 @@
 """Uneven inputs under torch's ``Join`` (``commopt.join``), on forked gloo ranks.
 
-Rank 1 runs out of data after ``SHORT`` of ``STEPS`` batches. Inside ``Join([optimizer])`` (and
-``Join([ddp_model, optimizer])`` with commopt's DDP hook; DiLoCo under DDP: ``Join([optimizer])``)
-it shadows the others' steps, and the run must end bit for bit where a run ends in which rank 1
-kept stepping on zero gradients (``loss * 0``): DDP's meaning of a joined rank. For DiLoCo the
+Rank 1 runs out of data after ``SHORT`` (or 0) of ``STEPS`` batches. Inside ``Join([optimizer])``
+(``Join([ddp_model, optimizer])`` under DDP, with ``commopt.ddp.register_hook``) it shadows the
+others' steps, and the run must end bit for bit where a run ends in which rank 1 kept stepping
+on zero gradients (``loss * 0``): DDP's meaning of a joined rank. For DiLoCo the
 joined rank takes no inner step and joins every sync with what it trained. Before, the ranks
 aborted in gloo or hung: the optimizer's collectives in ``step()`` had nothing to meet them on
 the joined rank.
@@ -64,19 +64,20 @@ def _batch(model: torch.nn.Module, step: int) -> torch.Tensor:
     return model(x).square().mean()
 
 
-def _uneven(backend, name: str, mode: str, joined: bool) -> str:
-    """``joined``: rank 1 stops after SHORT batches inside Join; else it goes on with no data of
-    its own: zero gradients (``loss * 0``), or, for DiLoCo, no backward at all."""
+def _uneven(backend, name: str, mode: str, short: int, joined: bool) -> str:
+    """Rank 1 has ``short`` batches. ``joined``: it stops there, inside Join; else it goes on
+    with no data of its own: zero gradients (``loss * 0``), or, for DiLoCo, none at all (after
+    the backward that DDP's collectives need)."""
     model, opt = _build(backend, name, mode)
-    mine = SHORT if joined and dist.get_rank() == 1 else STEPS
-    # DiLoCo's noop hook leaves DDP nothing to shadow (a model without buffers to broadcast)
-    joinables = ([model] if mode == "ddp-hook" and name != "DiLoCo" else []) + [opt]
+    mine = short if joined and dist.get_rank() == 1 else STEPS
+    joinables = ([model] if mode == "ddp-hook" else []) + [opt]
     with Join(joinables) if joined else contextlib.nullcontext():
         for step in range(mine):
             loss = _batch(model, step)
-            out_of_data = dist.get_rank() == 1 and step >= SHORT
-            if not (out_of_data and name == "DiLoCo"):
-                (loss * 0 if out_of_data else loss).backward()
+            out_of_data = dist.get_rank() == 1 and step >= short
+            (loss * 0 if out_of_data else loss).backward()
+            if out_of_data and name == "DiLoCo":
+                opt.zero_grad()  # the inner optimizer takes no step
             opt.step()
             opt.zero_grad()
     if name == "DiLoCo":
@@ -89,15 +90,12 @@ def _uneven(backend, name: str, mode: str, joined: bool) -> str:
     [(i.name, mode) for i in OPTIMIZERS for mode in MODES]
     + [("DiLoCo", mode) for mode in MODES if mode != "overlap"],  # (DiLoCo overlaps by delay=)
 )
-def test_a_joined_rank_shadows_the_steps_as_a_rank_with_zero_gradients(name, mode) -> None:
+@pytest.mark.parametrize("short", [SHORT, 0])  # (0: a rank without a batch, from the start)
+def test_a_joined_rank_shadows_the_steps_as_a_rank_with_zero_gradients(name, mode, short) -> None:
     world = 4 if mode == "hierarchical" else 2
-    joined = run_ranks(_uneven, world, name, mode, True, timeout=TIMEOUT)
-    zeros = run_ranks(_uneven, world, name, mode, False, timeout=TIMEOUT)
-    if mode == "ddp-hook" and name != "DiLoCo":  # DDP's join ends by broadcasting the last
-        # joiner's model (rank 0)
-        assert joined == [zeros[0]] * world
-    else:  # (0/1 Adam's replicas differ between syncs, by design)
-        assert joined == zeros
+    joined = run_ranks(_uneven, world, name, mode, short, True, timeout=TIMEOUT)
+    zeros = run_ranks(_uneven, world, name, mode, short, False, timeout=TIMEOUT)
+    assert joined == zeros  # (0/1 Adam's replicas differ between syncs, by design)
     if name != "ZeroOneAdam":
         assert len(set(joined)) == 1
 

@@ -12,8 +12,10 @@ from commopt.comm import SingleProcessBackend
 
 
 class RecordingDDP(torch.nn.parallel.DistributedDataParallel):
-    def __init__(self) -> None:  # no process group: only the isinstance check and the call
+    def __init__(self, module: torch.nn.Module | None = None) -> None:  # no process group
         torch.nn.Module.__init__(self)
+        self.module = module or torch.nn.Linear(1, 1)
+        self.parameters_to_ignore: set[str] = set()
         self.hooks: list[tuple[object, object]] = []
 
     def register_comm_hook(self, state: object, hook: object) -> None:  # type: ignore[override]
@@ -24,20 +26,30 @@ def _params() -> list[torch.nn.Parameter]:
     return list(torch.nn.Linear(3, 2).parameters())
 
 
+def _net() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 2))
+
+
 def test_a_commopt_optimizer_gets_onebit_hook_paired_with_it():
-    opt = commopt.OnebitAdam(_params(), freeze_step=2, backend=SingleProcessBackend())
-    model = RecordingDDP()
+    net = _net()
+    opt = commopt.OnebitAdam(net[0].parameters(), freeze_step=2, backend=SingleProcessBackend())
+    model = RecordingDDP(net)
     state = commopt.ddp.register_hook(model, opt)
     assert isinstance(state, commopt.ddp.OnebitHookState)
     assert model.hooks == [(state, commopt.ddp.onebit_hook)]
+    # DDP's broadcast where torch's Join ends leaves the optimizer's parameters alone (they
+    # are the optimizer's to keep: docs/ddp.md), and the others to DDP
+    assert model.parameters_to_ignore == {"0.weight", "0.bias"}
 
 
 def test_diloco_gets_torchs_noop_hook():
-    inner = torch.optim.AdamW(_params(), lr=1e-2)
+    net = _net()
+    inner = torch.optim.AdamW(net.parameters(), lr=1e-2)
     opt = commopt.DiLoCo(inner, sync_every=2, backend=SingleProcessBackend())
-    model = RecordingDDP()
+    model = RecordingDDP(net)
     assert commopt.ddp.register_hook(model, opt) is None
     assert model.hooks == [(None, noop_hook)]
+    assert model.parameters_to_ignore == {"0.weight", "0.bias", "1.weight", "1.bias"}
 
 
 def test_what_it_cannot_pair_is_refused():
