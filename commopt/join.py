@@ -107,6 +107,9 @@ class ShadowStep(JoinHook):
                         torch.zeros_like(p) if self.zero_gradients and p.requires_grad else None
                     )
             self.optimizer.step()
+            # as after the loop's own zero_grad: the next epoch's first backward must not add
+            # to the shadow's gradients
+            self.optimizer.zero_grad(set_to_none=True)
         finally:
             _ddp_wrote.clear()
             _shadowing.reset(token)
