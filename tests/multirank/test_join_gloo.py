@@ -4,10 +4,9 @@ Rank 1 runs out of data after ``SHORT`` (or 0) of ``STEPS`` batches. Inside ``Jo
 (``Join([ddp_model, optimizer])`` under DDP, with ``commopt.ddp.register_hook``) it shadows the
 others' steps, and the run must end bit for bit where a run ends in which rank 1 kept stepping
 on zero gradients (``loss * 0``): DDP's meaning of a joined rank; and the next epoch, with data
-on every rank, goes on from there alike. For DiLoCo the
-joined rank takes no inner step and joins every sync with what it trained. Before, the ranks
-aborted in gloo or hung: the optimizer's collectives in ``step()`` had nothing to meet them on
-the joined rank.
+on every rank, goes on from there alike. For DiLoCo the joined rank takes no inner step and
+joins every sync with what it trained. Before, the ranks aborted in gloo or hung: the
+optimizer's collectives in ``step()`` had nothing to meet them on the joined rank.
 """
 
 from __future__ import annotations
