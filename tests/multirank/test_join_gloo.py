@@ -37,9 +37,9 @@ def _digest(model: torch.nn.Module) -> str:
     return h.hexdigest()[:16]
 
 
-def _build(backend, name: str, mode: str):
-    net = make_model()
-    model = DistributedDataParallel(net) if mode == "ddp-hook" else net
+def _build(backend, name: str, mode: str, net: torch.nn.Module | None = None, **ddp: bool):
+    net = net or make_model()
+    model = DistributedDataParallel(net, **ddp) if mode == "ddp-hook" else net
     if mode == "hierarchical":  # nodes of two ranks, faked through the env
         os.environ.update(
             LOCAL_RANK=str(backend.rank % 2),
@@ -56,6 +56,19 @@ def _build(backend, name: str, mode: str):
     if mode == "ddp-hook":
         commopt.ddp.register_hook(model, opt)
     return model, opt
+
+
+def _step(opt: torch.optim.Optimizer, loss: torch.Tensor) -> None:
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _result(model: torch.nn.Module, opt: torch.optim.Optimizer) -> str:
+    """The model's digest, once DiLoCo has synced what each rank trained since its last sync."""
+    if isinstance(opt, commopt.DiLoCo):
+        opt.finish()
+    return _digest(model)
 
 
 def _batch(model: torch.nn.Module, step: int) -> torch.Tensor:
@@ -81,12 +94,8 @@ def _uneven(backend, name: str, mode: str, short: int, joined: bool) -> str:
             opt.step()
             opt.zero_grad()
     for step in range(STEPS, STEPS + 2):  # the next epoch: every rank has data again
-        _batch(model, step).backward()
-        opt.step()
-        opt.zero_grad()
-    if name == "DiLoCo":
-        opt.finish()
-    return _digest(model)
+        _step(opt, _batch(model, step))
+    return _result(model, opt)
 
 
 @pytest.mark.parametrize(
@@ -151,22 +160,12 @@ class _TwoHeads(torch.nn.Module):
 
 
 def _unused_heads(backend, name: str, short: int) -> str:
-    model = DistributedDataParallel(_TwoHeads(), find_unused_parameters=True)
-    if name == "DiLoCo":
-        opt = commopt.DiLoCo(torch.optim.Adam(model.parameters(), lr=1e-2), sync_every=3)
-    else:
-        info = next(i for i in OPTIMIZERS if i.name == name)
-        opt = info.make(model.parameters(), freeze=FREEZE, backend=backend)
-    commopt.ddp.register_hook(model, opt)
+    model, opt = _build(backend, name, "ddp-hook", _TwoHeads(), find_unused_parameters=True)
     with Join([model, opt]):
         for step in range(short if dist.get_rank() == 1 else STEPS):
             g = torch.Generator().manual_seed(100 * step + dist.get_rank())
-            model(torch.randn(4, 6, generator=g), step).square().mean().backward()
-            opt.step()
-            opt.zero_grad()
-    if name == "DiLoCo":
-        opt.finish()
-    return _digest(model)
+            _step(opt, model(torch.randn(4, 6, generator=g), step).square().mean())
+    return _result(model, opt)
 
 
 @pytest.mark.parametrize(
