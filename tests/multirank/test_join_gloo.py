@@ -27,7 +27,7 @@ from tests.optim_registry import OPTIMIZERS, make_model
 
 TIMEOUT = 120.0
 STEPS, SHORT, FREEZE = 12, 7, 3
-MODES = ("standalone", "ddp-hook", "overlap", "hierarchical")
+MODES = ("standalone", "ddp-hook", "overlap", "hierarchical", "econtrol")
 
 
 def _digest(model: torch.nn.Module) -> str:
@@ -101,7 +101,8 @@ def _uneven(backend, name: str, mode: str, short: int, joined: bool) -> str:
 @pytest.mark.parametrize(
     ("name", "mode"),
     [(i.name, mode) for i in OPTIMIZERS for mode in MODES]
-    + [("DiLoCo", mode) for mode in MODES if mode != "overlap"],  # (DiLoCo overlaps by delay=)
+    # (overlap and error feedback are options of commopt's optimizers, not of DiLoCo's)
+    + [("DiLoCo", mode) for mode in ("standalone", "ddp-hook", "hierarchical")],
 )
 @pytest.mark.parametrize("short", [SHORT, 0])  # (0: a rank without a batch, from the start)
 def test_a_joined_rank_shadows_the_steps_as_a_rank_with_zero_gradients(name, mode, short) -> None:
