@@ -72,9 +72,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from commopt import join
 from commopt.comm import all_reduce_async
 from commopt.comm.handoff import completed_future, device_future
+from commopt.join import in_backward, in_join, set_gradients_as_ddp
 from commopt.optim._early import Kind
 from commopt.optim._early._work import after_ddp_backward
 from commopt.optim.base import CompressedOptimizer
@@ -207,8 +207,8 @@ def onebit_hook(
         raise RuntimeError(
             "OnebitHookState has no optimizer (it was unpickled); set state.optimizer"
         )
-    shadow = not join.in_backward()  # a joined rank: DDP's join hook shadows a backward
-    if shadow and not join.in_join(opt):
+    shadow = not in_backward()  # a joined rank: DDP's join hook shadows a backward
+    if shadow and not in_join(opt):
         raise RuntimeError(
             "commopt.ddp.onebit_hook ran outside backward: this rank has joined (it ran out of "
             "data inside DDP's join(), or a Join given the model alone), and DDP shadows its own "
@@ -260,7 +260,7 @@ def onebit_hook(
         # DDP writes no p.grad on a joined rank: write what it writes on a rank with data
         out = fut.value()
         grads = [out[where].view_as(p).clone() for p, where in zip(params, slices, strict=True)]
-        join.set_gradients_as_ddp(params, grads)
+        set_gradients_as_ddp(params, grads)
         return out
 
     return done.then(write)

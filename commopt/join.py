@@ -43,10 +43,10 @@ __all__ = [
     "disabled_join_config",
     "in_backward",
     "in_join",
-    "join_hook",
-    "join_hook_without_gradients",
     "notify",
     "set_gradients_as_ddp",
+    "shadow_on_zero_gradients",
+    "shadow_without_gradients",
 ]
 
 # True while a joined rank's optimizer runs its shadow step (its own step() must not tell the
@@ -152,13 +152,13 @@ def notify(joinable: Any) -> None:
 # have param_groups and a backend); Join reads these three and sets _join_config
 
 
-def join_hook(self: Any, **kwargs: Any) -> ShadowStep:
+def shadow_on_zero_gradients(self: Any, **kwargs: Any) -> ShadowStep:
     """A joined rank's shadow of each step the other ranks still take, on zero gradients:
     DDP's contribution of a joined rank (:class:`ShadowStep`)."""
     return ShadowStep(self, True, **kwargs)
 
 
-def join_hook_without_gradients(self: Any, **kwargs: Any) -> ShadowStep:
+def shadow_without_gradients(self: Any, **kwargs: Any) -> ShadowStep:
     """A joined rank's shadow of each step the other ranks still take, without gradients:
     DiLoCo's inner optimizer takes no step, and the rank's syncs send what it trained on its
     own data (:class:`ShadowStep`)."""
@@ -168,8 +168,8 @@ def join_hook_without_gradients(self: Any, **kwargs: Any) -> ShadowStep:
 def _join_device(self: Any) -> torch.device:
     """Where the context manager counts the joined ranks: the parameters' device (an NCCL
     group's is a GPU)."""
-    params: Sequence[torch.Tensor] = [p for g in self.param_groups for p in g["params"]]
-    return params[0].device if params else torch.device("cpu")
+    first = next((p for g in self.param_groups for p in g["params"]), None)
+    return first.device if first is not None else torch.device("cpu")
 
 
 def _join_process_group(self: Any) -> dist.ProcessGroup:

@@ -30,7 +30,6 @@ from typing import Any
 
 import torch
 
-from commopt import join
 from commopt.choices import (
     COMPRESSIONS,
     OUTER_TOPOLOGIES,
@@ -70,6 +69,13 @@ from commopt.diloco.inner import scaled_step_inner, step_inner
 from commopt.diloco.schedule import OUTER_DEFAULTS, Progress, default_fp32_syncs
 from commopt.exchange import build_exchange, discover_topology
 from commopt.exchange.levels import build_level_backends, wants_shared_memory
+from commopt.join import (
+    JOIN_DEVICE,
+    JOIN_PROCESS_GROUP,
+    disabled_join_config,
+    notify,
+    shadow_without_gradients,
+)
 from commopt.optim.adam import refuse_complex_and_float64
 
 __all__ = ["DiLoCo"]
@@ -193,7 +199,7 @@ class DiLoCo(torch.optim.Optimizer):
             for when in ("pre", "post"):
                 setattr(self, f"_optimizer_{kind}_{when}_hooks", collections.OrderedDict())
         self._patch_step_function()
-        self._join_config = join.disabled_join_config()  # (torch's Join sets it)
+        self._join_config = disabled_join_config()  # (torch's Join sets it)
         self.inner = inner
         self.sync_every, self.compression, self.nesterov = sync_every, compression, bool(nesterov)
         self.fragments, self.delay, self.warmup_steps = fragments, delay, warmup_steps
@@ -320,7 +326,7 @@ class DiLoCo(torch.optim.Optimizer):
                 every rank, when a sync or an averaging step finds the ranks at
                 different steps (one ran out of data and is in :meth:`finish`).
         """
-        join.notify(self)  # this rank still has data (inside torch's Join; commopt.join)
+        notify(self)  # this rank still has data (inside torch's Join; commopt.join)
         self._check_parameters()
         t = self.progress.step + 1
         level = self.backend if t <= self.warmup_steps else self._node_backend
@@ -376,9 +382,9 @@ class DiLoCo(torch.optim.Optimizer):
     _step_supports_amp_scaling = True
 
     # torch's Joinable protocol: Join([optimizer]) on uneven inputs (commopt.join)
-    join_hook = join.join_hook_without_gradients
-    join_device = join.JOIN_DEVICE
-    join_process_group = join.JOIN_PROCESS_GROUP
+    join_hook = shadow_without_gradients
+    join_device = JOIN_DEVICE
+    join_process_group = JOIN_PROCESS_GROUP
 
     @torch.compiler.disable
     def _scaled_inner_step(self, level: Backend | None) -> Any:

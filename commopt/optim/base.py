@@ -20,11 +20,17 @@ from typing import Any, ClassVar
 import torch
 from torch.optim.optimizer import ParamsT
 
-from commopt import join
 from commopt.buckets import DEFAULT_BUCKET_NUMEL, Segment, local_shards
 from commopt.comm import Backend
 from commopt.compressed import NonFiniteError
 from commopt.exchange import Exchange
+from commopt.join import (
+    JOIN_DEVICE,
+    JOIN_PROCESS_GROUP,
+    disabled_join_config,
+    notify,
+    shadow_on_zero_gradients,
+)
 from commopt.notices import log_compression_started, warn_redone, warn_skipped
 from commopt.optim._agreement import GradientAgreement, describe_param, left_untouched
 from commopt.optim._communication import Communication
@@ -183,9 +189,9 @@ class CompressedOptimizer(torch.optim.Optimizer):
     #: the config field that may be ``"auto"`` or an AutoFreezeSettings (AutoFreeze decides)
     _freeze_field: ClassVar[str] = "freeze_step"
     # torch's Joinable protocol: Join([ddp_model, optimizer]) on uneven inputs (commopt.join)
-    join_hook = join.join_hook
-    join_device = join.JOIN_DEVICE
-    join_process_group = join.JOIN_PROCESS_GROUP
+    join_hook = shadow_on_zero_gradients
+    join_device = JOIN_DEVICE
+    join_process_group = JOIN_PROCESS_GROUP
 
     def __init__(
         self,
@@ -211,7 +217,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self._thread: CommThread | None = None  # overlap=True: runs the early collectives
         self._hooks = GradientHooks(self._weak_early_work())
         self._compression_announced = False  # logged once, on rank 0
-        self._join_config = join.disabled_join_config()  # (torch's Join sets it)
+        self._join_config = disabled_join_config()  # (torch's Join sets it)
         super().__init__(params, defaults)
         if config.overlap:  # the channel opens collectively, while every rank constructs
             self._thread = CommThread.opened(f"commopt-{name}", self.backend)
@@ -420,7 +426,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """One step: agree on the gradients, run the algorithm, or skip on every rank alike."""
-        join.notify(self)  # this rank still has data (inside torch's Join; commopt.join)
+        notify(self)  # this rank still has data (inside torch's Join; commopt.join)
         with torch.enable_grad():
             loss = None if closure is None else closure()
         params = [p for g in self.param_groups for p in g["params"]]
