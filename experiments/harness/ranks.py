@@ -55,15 +55,6 @@ def _worker(
         # Plain pickle: torch's multiprocessing reducers would share tensors through file
         # descriptors that die with this process.
         queue.put((rank, True, pickle.dumps(result)))
-        # The same race at the other end: fn may have created a sub-group, and a rank that
-        # returns first must not close its sockets while a peer is still connecting to it (seen
-        # once in CI, test_backend_on_a_rank_outside_its_group_is_refused). A rank whose peer
-        # raised and exited leaves this barrier with an error, which changes nothing reported.
-        if n > 1:
-            try:
-                dist.barrier()
-            except Exception:
-                pass
     except BaseException as err:  # report everything, including assertion failures
         queue.put((rank, False, f"{type(err).__name__}: {err}\n{traceback.format_exc()}"))
     finally:
