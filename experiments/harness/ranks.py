@@ -42,6 +42,12 @@ def _worker(
         torch.set_num_threads(1)
         from commopt.comm import TorchBackend, set_default_backend
 
+        # The same race for every group fn creates (dist.new_group, a device mesh, commopt's
+        # node groups): a rank that leaves the creation and returns at once (a refusal, a group
+        # no collective ever runs on) could close its sockets while a peer is still connecting
+        # (seen once in CI, test_backend_on_a_rank_outside_its_group_is_refused). torch's own
+        # switch ends every group's creation with a store-based barrier of all ranks.
+        os.environ.setdefault("TORCH_DIST_INIT_BARRIER", "1")
         dist.init_process_group(engine, init_method=f"file://{path}", rank=rank, world_size=n)
         # A rank whose fn returns or raises at once (an argument check) would otherwise exit and
         # close its sockets while a slower rank is still inside gloo's connectFullMesh, which then
