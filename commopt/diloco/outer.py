@@ -23,6 +23,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import contextlib
+import dataclasses
 import functools
 import weakref
 from collections.abc import Callable, Iterable, Iterator
@@ -32,12 +33,9 @@ import torch
 
 from commopt.choices import (
     COMPRESSIONS,
-    OUTER_TOPOLOGIES,
-    SCALES,
     Compression,
     OuterTopology,
     Scale,
-    check_choice,
 )
 from commopt.comm import Backend, resolve_backend
 from commopt.comm.channels import on_channel, open_channel
@@ -66,7 +64,11 @@ from commopt.diloco.fragments import (
     split_parameters,
 )
 from commopt.diloco.inner import scaled_step_inner, step_inner
-from commopt.diloco.schedule import OUTER_DEFAULTS, Progress, default_fp32_syncs
+from commopt.diloco.schedule import (
+    Progress,
+    Settings,
+    settings_read_through,
+)
 from commopt.exchange import build_exchange, discover_topology
 from commopt.exchange.levels import build_level_backends, wants_shared_memory
 from commopt.join import (
@@ -81,6 +83,7 @@ from commopt.optim.adam import refuse_complex_and_float64
 __all__ = ["DiLoCo"]
 
 
+@settings_read_through
 class DiLoCo(torch.optim.Optimizer):
     r"""An outer loop around any ``torch.optim`` optimizer: H local steps, then one averaged
     outer step (module docstring).
@@ -165,34 +168,11 @@ class DiLoCo(torch.optim.Optimizer):
                 "inner must be a torch.optim.Optimizer other than DiLoCo, got "
                 f"{type(inner).__name__}"
             )
-        check_choice("compression", compression, COMPRESSIONS)
-        check_choice("topology", topology, OUTER_TOPOLOGIES)
-        check_choice("scale", scale, SCALES)
-        for name, value in (("sync_every", sync_every), ("fragments", fragments)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"Invalid {name}: {value!r} (an integer >= 1)")
-        if fragments > sync_every:
-            raise ValueError(
-                f"fragments={fragments} needs sync_every >= fragments, got {sync_every}"
-            )
-        if fp32_syncs is None:
-            fp32_syncs = default_fp32_syncs(compression, sync_every)
-        for name, value in (("warmup_steps", warmup_steps), ("fp32_syncs", fp32_syncs)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"Invalid {name}: {value!r} (an integer >= 0)")
-        if not isinstance(delay, int) or not 0 <= delay < max(1, sync_every // fragments):
-            raise ValueError(
-                f"Invalid delay: {delay!r}; it must be an integer with 0 <= delay < "
-                f"sync_every // fragments = {sync_every // fragments}, so that a fragment's "
-                "average is applied before the next one starts"
-            )
-        lr0, mu0 = OUTER_DEFAULTS[compression]
-        self.outer_lr = float(lr0 if outer_lr is None else outer_lr)
-        self.outer_momentum = float(mu0 if outer_momentum is None else outer_momentum)
-        if not self.outer_lr > 0.0:
-            raise ValueError(f"Invalid outer_lr: {self.outer_lr} (must be > 0)")
-        if not 0.0 <= self.outer_momentum < 1.0:
-            raise ValueError(f"Invalid outer_momentum: {self.outer_momentum} (0 <= μ < 1)")
+        #: :class:`~commopt.diloco.schedule.Settings`, checked, defaults resolved; fixed
+        self.config = Settings(
+            sync_every, compression, outer_lr, outer_momentum, nesterov, fragments, delay,
+            warmup_steps, fp32_syncs, topology, scale,
+        )  # fmt: skip
         # torch.optim.Optimizer.__init__ less its parameter groups (the inner optimizer's): the
         # hook registries, and step() wrapped so that step and global hooks run around it
         for kind in ("step", "state_dict", "load_state_dict"):
@@ -201,10 +181,6 @@ class DiLoCo(torch.optim.Optimizer):
         self._patch_step_function()
         self._join_config = disabled_join_config()  # (torch's Join sets it)
         self.inner = inner
-        self.sync_every, self.compression, self.nesterov = sync_every, compression, bool(nesterov)
-        self.fragments, self.delay, self.warmup_steps = fragments, delay, warmup_steps
-        self.fp32_syncs = fp32_syncs
-        self.topology, self.scale = topology, scale
         self.backend = resolve_backend(backend)
         be = self.backend
         self._params = [p for g in inner.param_groups for p in g["params"]]
@@ -583,13 +559,8 @@ class DiLoCo(torch.optim.Optimizer):
         return checkpointing.Parts(inner, be, average, self.parts, progress, self.settings())
 
     def __repr__(self) -> str:
-        return (
-            f"{type(self).__name__}({type(self.inner).__name__}, sync_every={self.sync_every}, "
-            f"compression={self.compression!r}, outer_lr={self.outer_lr}, "
-            f"outer_momentum={self.outer_momentum}, fragments={self.fragments}, "
-            f"delay={self.delay}, fp32_syncs={self.fp32_syncs}, topology={self.topology!r}, "
-            f"scale={self.scale!r})"
-        )
+        settings = ", ".join(f"{k}={v!r}" for k, v in dataclasses.asdict(self.config).items())
+        return f"{type(self).__name__}({type(self.inner).__name__}, {settings})"
 
 
 def _close(executor: concurrent.futures.ThreadPoolExecutor, closer: Any) -> None:

@@ -1,18 +1,119 @@
-"""Where DiLoCo's outer loop stands, and the defaults of its schedule: :class:`Progress` (the
-counters and the syncs in flight, which the state dict saves), the outer SGD's defaults per
-compression and how many of the first syncs run at fp32 (docs/algorithms/diloco.md has the
-experiments behind each number)."""
+"""What DiLoCo's outer loop is set to and where it stands: :class:`Settings` (fixed for the
+run), :class:`Progress` (the counters and the syncs in flight, which the state dict saves), the
+outer SGD's defaults per compression and how many of the first syncs run at fp32
+(docs/algorithms/diloco.md has the experiments behind each number)."""
 
 from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+from typing import Any, TypeVar
 
 import torch
 
-from commopt.choices import Compression
+from commopt.choices import (
+    COMPRESSIONS,
+    OUTER_TOPOLOGIES,
+    SCALES,
+    Compression,
+    OuterTopology,
+    Scale,
+    check_choice,
+)
 
-__all__ = ["FP32_START", "OUTER_DEFAULTS", "Progress", "default_fp32_syncs"]
+__all__ = [
+    "FP32_START",
+    "OUTER_DEFAULTS",
+    "Progress",
+    "Settings",
+    "default_fp32_syncs",
+    "settings_read_through",
+]
+
+_T = TypeVar("_T")
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """The outer loop's settings, as :class:`~commopt.diloco.DiLoCo` was built with them (its
+    ``config``; each is also a read-only attribute of the optimizer). They are fixed for the
+    run: every rank's schedule, the fragments' buffers and offsets, the average's errors and
+    the agreement a checkpoint is checked against are built from them, so assigning one
+    afterwards would change the run only in part."""
+
+    sync_every: int
+    compression: Compression
+    outer_lr: float
+    outer_momentum: float
+    nesterov: bool
+    fragments: int
+    delay: int
+    warmup_steps: int
+    fp32_syncs: int
+    topology: OuterTopology
+    scale: Scale
+
+    def __post_init__(self) -> None:
+        """Check every setting, and resolve the ``None`` defaults of ``outer_lr``,
+        ``outer_momentum`` (:data:`OUTER_DEFAULTS`) and ``fp32_syncs``
+        (:func:`default_fp32_syncs`)."""
+        check_choice("compression", self.compression, COMPRESSIONS)
+        check_choice("topology", self.topology, OUTER_TOPOLOGIES)
+        check_choice("scale", self.scale, SCALES)
+        sync_every, fragments, delay = self.sync_every, self.fragments, self.delay
+        for name, value in (("sync_every", sync_every), ("fragments", fragments)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"Invalid {name}: {value!r} (an integer >= 1)")
+        if fragments > sync_every:
+            raise ValueError(
+                f"fragments={fragments} needs sync_every >= fragments, got {sync_every}"
+            )
+        if self.fp32_syncs is None:
+            self._resolve("fp32_syncs", default_fp32_syncs(self.compression, sync_every))
+        for name in ("warmup_steps", "fp32_syncs"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"Invalid {name}: {value!r} (an integer >= 0)")
+        if not isinstance(delay, int) or not 0 <= delay < max(1, sync_every // fragments):
+            raise ValueError(
+                f"Invalid delay: {delay!r}; it must be an integer with 0 <= delay < "
+                f"sync_every // fragments = {sync_every // fragments}, so that a fragment's "
+                "average is applied before the next one starts"
+            )
+        lr, mu = self.outer_lr, self.outer_momentum
+        lr0, mu0 = OUTER_DEFAULTS[self.compression]
+        self._resolve("outer_lr", float(lr0 if lr is None else lr))
+        self._resolve("outer_momentum", float(mu0 if mu is None else mu))
+        if not self.outer_lr > 0.0:
+            raise ValueError(f"Invalid outer_lr: {self.outer_lr} (must be > 0)")
+        if not 0.0 <= self.outer_momentum < 1.0:
+            raise ValueError(f"Invalid outer_momentum: {self.outer_momentum} (0 <= μ < 1)")
+        self._resolve("nesterov", bool(self.nesterov))
+
+    def _resolve(self, name: str, value: object) -> None:
+        object.__setattr__(self, name, value)  # (frozen: only while it is being built)
+
+
+def settings_read_through(cls: type[_T]) -> type[_T]:
+    """Give ``cls`` one read-only property per field of :class:`Settings`, read from
+    ``self.config``; assigning one raises an ``AttributeError`` that says what to do."""
+    for field in dataclasses.fields(Settings):
+        setattr(cls, field.name, _read_only(field.name))
+    return cls
+
+
+def _read_only(name: str) -> property:
+    def read(self: Any) -> Any:
+        return getattr(self.config, name)
+
+    def refuse(self: Any, value: Any) -> None:
+        raise AttributeError(
+            f"{name} is part of {type(self).__name__}.config (frozen): the schedule, the "
+            "buffers and the checkpoint's settings are built from it; build the DiLoCo with "
+            f"{name}=... (a checkpoint with another {name} is refused on load)"
+        )
+
+    return property(read, refuse, doc=f"``config.{name}`` (read-only).")
 
 
 @dataclasses.dataclass

@@ -5,6 +5,7 @@ changing anything. (Several ranks: tests/multirank/test_diloco_gloo.py.)"""
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ import commopt
 from commopt.comm import SingleProcessBackend
 from commopt.diloco.averages import Bf16Average, check_finite
 from commopt.diloco.fragments import first_sync_offsets, split_parameters
+from commopt.diloco.schedule import Settings
 
 
 def _model() -> torch.nn.Module:
@@ -56,6 +58,28 @@ def _train(model, opt, steps) -> None:
 def test_bad_arguments_are_refused_with_a_message_that_names_them(kw, message) -> None:
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         _make(**kw)
+
+
+@pytest.mark.parametrize("name", [f.name for f in dataclasses.fields(Settings)])
+def test_a_setting_assigned_after_construction_is_refused_and_changes_nothing(name) -> None:
+    """Every rank's schedule, the fragments' buffers and the agreement a checkpoint is checked
+    against are built from the settings, so rebinding one would change the run in part only
+    (``compression="none"`` over a 1-bit average, ``outer_momentum`` without its buffer, a
+    ``sync_every`` the fragments' offsets never saw). As the optimizers' config fields, they are
+    read-only."""
+    model, opt = _make(sync_every=6, fragments=2, outer_momentum=0.5)
+    before = opt.config
+    value = getattr(opt, name)
+    with pytest.raises(
+        AttributeError, match=f"{name} is part of DiLoCo.config .frozen.: .*{name}="
+    ):
+        setattr(opt, name, value)
+    assert opt.config is before and getattr(opt, name) == value
+    assert getattr(opt.config, name) == value and f"{name}={value!r}" in repr(opt)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        setattr(opt.config, name, value)
+    _train(model, opt, range(7))  # and it trains on
+    assert opt.comm_stats()["syncs"] == 2  # each fragment once (offsets 0 and 3 of H = 6)
 
 
 def test_the_inner_optimizer_must_be_a_torch_optimizer_over_real_fp32_or_lower() -> None:
