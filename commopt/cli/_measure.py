@@ -27,6 +27,7 @@ __all__ = [
     "COLLECTIVES",
     "Case",
     "busbw",
+    "count",
     "make_case",
     "no_backend",
     "parse_bytes",
@@ -50,6 +51,22 @@ def parse_bytes(text: str) -> int:
             "(binary units, e.g. 1KiB, 64M)"
         )
     return int(m.group(1)) * _UNITS[m.group(2).lower()]
+
+
+def count(least: int) -> Callable[[str], int]:
+    """An argparse ``type``: an integer >= ``least``, or argparse's usage error (exit status 2,
+    the same one line on every rank) before any backend starts."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = least - 1
+        if value < least:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {least}, got {text!r}")
+        return value
+
+    return parse
 
 
 def human_bytes(n: int) -> str:
@@ -256,12 +273,12 @@ def add_sweep_arguments(p: Any, default_factor: int) -> None:
     p.add_argument("--max-bytes", type=parse_bytes, default=64 << 20, help="largest size (64MiB)")
     p.add_argument(
         "--factor",
-        type=int,
+        type=count(2),
         default=default_factor,
         help=f"ratio of successive sizes ({default_factor})",
     )
-    p.add_argument("--reps", type=int, default=5, help="timed repetitions per point (5)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed calls before timing (2)")
+    p.add_argument("--reps", type=count(1), default=5, help="timed repetitions per point (5)")
+    p.add_argument("--warmup", type=count(0), default=2, help="untimed calls before timing (2)")
     p.add_argument(
         "--ops",
         type=lambda s: parse_list(s, COLLECTIVES, "--ops"),

@@ -60,8 +60,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="time optimizer steps instead of single collectives",
     )
     p.add_argument("--numel", type=m.parse_bytes, default=4 << 20, help="workload: parameters (4M)")
-    p.add_argument("--steps", type=int, default=20, help="workload: steps (20)")
-    p.add_argument("--freeze-step", type=int, default=10, help="workload: warmup steps (10)")
+    p.add_argument("--steps", type=m.count(2), default=20, help="workload: steps (20)")
+    p.add_argument("--freeze-step", type=m.count(1), default=10, help="workload: warmup steps (10)")
 
 
 def _gbps(nbytes: float, seconds: float) -> float:

@@ -95,3 +95,24 @@ def test_without_a_launcher_the_tools_say_so_and_exit_2(capsys, monkeypatch, com
     assert main([command]) == 2
     err = " ".join(capsys.readouterr().err.split())
     assert f"commopt {command}: no multi-rank backend in this process; launch it with" in err
+
+
+@pytest.mark.parametrize(
+    ("command", "argv", "message"),
+    [
+        ("tune", ["--reps", "0"], "argument --reps: expected an integer >= 1, got '0'"),
+        ("bench", ["--warmup", "-1"], "argument --warmup: expected an integer >= 0, got '-1'"),
+        ("bench", ["--factor", "1"], "argument --factor: expected an integer >= 2, got '1'"),
+        ("bench", ["--reps", "x"], "argument --reps: expected an integer >= 1, got 'x'"),
+        ("bench", ["--steps", "1"], "argument --steps: expected an integer >= 2, got '1'"),
+    ],
+)
+def test_a_count_out_of_range_is_a_usage_error_before_any_backend_starts(
+    capsys, command, argv, message
+):
+    """``--reps 0`` reached statistics.median deep in the sweep on every rank (a traceback per
+    rank, StatisticsError); now argparse refuses it, one line and exit status 2."""
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, *argv])
+    assert exit_info.value.code == 2
+    assert f"commopt {command}: error: {message}" in capsys.readouterr().err
