@@ -73,6 +73,8 @@ def main() -> None:
     torch.set_num_threads(1)
     commopt.init()  # torchrun's environment; gloo on CPU, NCCL where there are GPUs
     world = dist.get_world_size()
+    if args.shards < 1 or world % args.shards:
+        parser.error(f"--shards {args.shards} must divide the number of ranks, {world}")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
