@@ -29,7 +29,7 @@ def _mlp() -> nn.Sequential:
     return nn.Sequential(nn.Linear(D, D), nn.Tanh(), nn.Linear(D, D), nn.Tanh(), nn.Linear(D, 4))
 
 
-def _sharded():
+def _sharded(**kw):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -37,8 +37,8 @@ def _sharded():
     model = _mlp()
     for layer in model:
         if isinstance(layer, nn.Linear):
-            fully_shard(layer, mesh=mesh["shard"])
-    fully_shard(model, mesh=mesh["shard"])
+            fully_shard(layer, mesh=mesh["shard"], **kw)
+    fully_shard(model, mesh=mesh["shard"], **kw)
     return model, mesh
 
 
@@ -107,6 +107,49 @@ def test_onebit_diloco_on_shards_keeps_replicas_identical_and_sends_a_shard() ->
         assert synced_equal == [True] * (STEPS // H)
         assert last < 0.7 * first, (first, last)
         assert sharded < 0.6 * whole
+
+
+def _bf16_compute(backend):
+    """STEPS inner steps of 1-bit DiLoCo (first sync at fp32) on shards that FSDP2 computes in
+    bf16 (``MixedPrecisionPolicy(param_dtype=torch.bfloat16)``)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    del backend
+    rank = dist.get_rank()
+    model, mesh = _sharded(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    replicate = commopt.TorchBackend(mesh.get_group("replicate"))
+    opt = commopt.DiLoCo(
+        torch.optim.AdamW(model.parameters(), lr=1e-2),
+        sync_every=H,
+        fp32_syncs=1,
+        backend=replicate,
+    )
+    losses, synced_equal = [], []
+    for step in range(1, STEPS + 1):
+        x, y = _batch(rank, step)
+        out = model(x)
+        loss = ((out.float() - y) ** 2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append((float(loss), out.dtype))
+        if step % H == 0:
+            local = torch.cat([p.to_local().detach().reshape(-1) for p in model.parameters()])
+            other = torch.empty(2 * local.numel())
+            replicate.all_gather(other, local)
+            synced_equal.append(torch.equal(other[: local.numel()], other[local.numel() :]))
+    kept = {p.dtype for p in model.parameters()}
+    return losses, synced_equal, kept
+
+
+def test_bf16_compute_through_fsdp2s_mixed_precision_policy_keeps_the_replicas_one_model() -> None:
+    """docs/fsdp.md's way to low precision, under DiLoCo: FSDP2 computes in bf16, the sharded
+    parameters stay fp32, and the replicas are one model after every sync."""
+    for losses, synced_equal, kept in run_ranks(_bf16_compute, 4, timeout=TIMEOUT):
+        assert {dtype for _, dtype in losses} == {torch.bfloat16}
+        assert kept == {torch.float32}
+        assert synced_equal == [True] * (STEPS // H)
+        assert losses[-1][0] < 0.7 * losses[0][0], losses
 
 
 def _refusals(backend):
