@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import torch
 
@@ -20,6 +20,7 @@ from commopt.choices import (
     Scale,
     check_choice,
 )
+from commopt.optim.config import read_through
 
 __all__ = [
     "FP32_START",
@@ -31,6 +32,10 @@ __all__ = [
 ]
 
 _T = TypeVar("_T")
+_REMEDY = (
+    "the schedule, the buffers and the checkpoint's settings are built from it; build the "
+    "DiLoCo with {name}=... (a checkpoint with another {name} is refused on load)"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,22 +103,8 @@ def settings_read_through(cls: type[_T]) -> type[_T]:
     """Give ``cls`` one read-only property per field of :class:`Settings`, read from
     ``self.config``; assigning one raises an ``AttributeError`` that says what to do."""
     for field in dataclasses.fields(Settings):
-        setattr(cls, field.name, _read_only(field.name))
+        setattr(cls, field.name, read_through(field.name, _REMEDY))
     return cls
-
-
-def _read_only(name: str) -> property:
-    def read(self: Any) -> Any:
-        return getattr(self.config, name)
-
-    def refuse(self: Any, value: Any) -> None:
-        raise AttributeError(
-            f"{name} is part of {type(self).__name__}.config (frozen): the schedule, the "
-            "buffers and the checkpoint's settings are built from it; build the DiLoCo with "
-            f"{name}=... (a checkpoint with another {name} is refused on load)"
-        )
-
-    return property(read, refuse, doc=f"``config.{name}`` (read-only).")
 
 
 @dataclasses.dataclass

@@ -61,6 +61,7 @@ __all__ = [
     "config_differences",
     "configured_by",
     "fill_template",
+    "read_through",
     "saved_config",
 ]
 
@@ -145,25 +146,31 @@ def configured_by(config_type: type) -> Callable[[T], T]:
         cls.__doc__ = fill_template(doc, "{communication_options}", COMM_OPTIONS_DOC)
         for field in dataclasses.fields(config_type):
             if not any(field.name in vars(k) for k in cls.__mro__):  # (the class's own wins)
-                setattr(cls, field.name, _read_through(field.name))
+                setattr(cls, field.name, read_through(field.name, _REMEDY))
         return cls
 
     return decorate
 
 
-def _read_through(name: str) -> property:
+def read_through(name: str, remedy: str) -> property:
+    """A read-only property for ``self.config.<name>``; assigning it is an ``AttributeError``
+    naming the frozen config and ``remedy`` (``{name}`` in it filled in), what to do instead."""
+
     def read(self: Any) -> Any:
         return getattr(self.config, name)
 
     def refuse(self: Any, value: Any) -> None:
         raise AttributeError(
-            f"{name} is part of {type(self).__name__}.config (frozen): construct the optimizer "
-            f"with {name}=..., or resume with load_state_dict(..., allow_config_change=True)"
+            f"{name} is part of {type(self).__name__}.config (frozen): " + remedy.format(name=name)
         )
 
     return property(read, refuse, doc=f"``config.{name}`` (read-only).")
 
 
+_REMEDY = (
+    "construct the optimizer with {name}=..., or resume with "
+    "load_state_dict(..., allow_config_change=True)"
+)
 _WHY_FREEZE = "the variance has to be estimated before it is frozen"
 _WHY_SCALER = "it counts steps between doublings of an interval"
 #: a config field that is not saved in ``state_dict()`` nor compared on resume: the layout and
