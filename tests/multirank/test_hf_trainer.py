@@ -3,6 +3,7 @@ through the DDP hook (commopt.ddp), with two backward passes per step."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -81,3 +82,11 @@ def test_trainer_resume_from_a_checkpoint_is_bit_exact(tmp_path, args):
     )
     assert resumed["replicas_identical"] and straight["replicas_identical"]
     assert resumed["parameters_sha256"] == straight["parameters_sha256"]
+    # The control: without every rank's own state (the callback's folder gone, as for a
+    # checkpoint saved without it), the ranks other than 0 resume from rank 0's and the run
+    # ends elsewhere (docs/checkpoints.md).
+    shutil.rmtree(checkpoint / "commopt")
+    without = run_example_under_torchrun(
+        EXAMPLE, [*args, "--resume", str(checkpoint)], tmp_path, env=env
+    )
+    assert without["parameters_sha256"] != straight["parameters_sha256"]
