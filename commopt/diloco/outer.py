@@ -507,6 +507,7 @@ class DiLoCo(torch.optim.Optimizer):
         parameter are its compression stage's.
         """
         numel = sum(f.numel for f in self.parts)
+        per = max(1, numel)  # (parameters of no elements: the rates are 0, not a ZeroDivisionError)
         sent = self.progress.bytes["sync"] + self.progress.bytes["warmup"]
         compressed = self.progress.bytes["sync"] - self.progress.bytes["fp32"]
         stage = self.progress.step - self.warmup_steps - self.fp32_syncs * self.sync_every
@@ -521,8 +522,8 @@ class DiLoCo(torch.optim.Optimizer):
             "fp32_sync_bytes": self.progress.bytes["fp32"],
             "warmup_bytes": self.progress.bytes["warmup"],
             "local_bytes": self.progress.bytes["local"],
-            "bits_per_parameter_per_step": 8 * sent / (numel * max(1, self.progress.step)),
-            "compressed_bits_per_parameter_per_step": 8 * compressed / (numel * max(1, stage)),
+            "bits_per_parameter_per_step": 8 * sent / (per * max(1, self.progress.step)),
+            "compressed_bits_per_parameter_per_step": 8 * compressed / (per * max(1, stage)),
         }
 
     def state_dict(self) -> dict[str, Any]:

@@ -101,6 +101,22 @@ def test_every_parameter_of_the_inner_optimizer_is_synced_frozen_or_not() -> Non
     assert sum(f.numel for f in opt.parts) == sum(p.numel() for p in model.parameters())
 
 
+def test_parameters_of_no_elements_train_and_report_zero_rates() -> None:
+    """A model whose only parameter has no elements (a head sized by the data, empty here):
+    it steps and syncs, and ``comm_stats()`` reports rates of 0 (it divided by zero)."""
+    empty = torch.nn.Parameter(torch.ones(0))
+    opt = commopt.DiLoCo(
+        torch.optim.AdamW([empty], lr=1e-2), sync_every=2, backend=SingleProcessBackend()
+    )
+    for _ in range(4):
+        empty.grad = torch.ones_like(empty)
+        opt.step()
+    stats = opt.comm_stats()
+    assert (stats["steps"], stats["syncs"], stats["parameters"]) == (4, 2, 0)
+    assert stats["bits_per_parameter_per_step"] == 0.0
+    assert stats["compressed_bits_per_parameter_per_step"] == 0.0
+
+
 def test_it_is_a_torch_optimizer_that_schedulers_drive_and_that_refuses_new_groups() -> None:
     """An LR scheduler on DiLoCo sets the inner optimizer's lr, as on the inner one itself;
     its state dict goes round; a new parameter group and a DiLoCo inside are refused."""
