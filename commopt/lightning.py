@@ -29,6 +29,10 @@ calls ``DiLoCo.finish(module.buffers())``, so ``fit`` leaves one synced model on
 during ``fit`` evaluates the model of the last sync (``DiLoCo.synced_weights()``), the same on
 every rank, not each rank's own between syncs.
 
+Under ``precision="16-mixed"`` / ``"bf16-mixed"`` the callback also puts
+:class:`ClippingMixedPrecision` in place of Lightning's AMP plugin, which refuses
+``gradient_clip_val`` for commopt's optimizers.
+
 :class:`RankStateCheckpoint` adds every rank's own optimizer state to Lightning's checkpoints,
 which hold rank 0's alone, and loads it back on resume.
 
@@ -46,6 +50,8 @@ from typing import Any
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch.nn.parallel import DistributedDataParallel
 
 from commopt.checkpoint import load_checkpoint, save_checkpoint
@@ -53,7 +59,7 @@ from commopt.ddp import OnebitHookState, register_hook
 from commopt.diloco import DiLoCo
 from commopt.optim.base import CompressedOptimizer
 
-__all__ = ["OnebitHookCallback", "RankStateCheckpoint"]
+__all__ = ["ClippingMixedPrecision", "OnebitHookCallback", "RankStateCheckpoint"]
 
 
 class OnebitHookCallback(Callback):
@@ -77,6 +83,16 @@ class OnebitHookCallback(Callback):
         self.exchange_in_backward = exchange_in_backward
         self.state: OnebitHookState | None = None
         self._synced: contextlib.ExitStack | None = None  # open during validation (DiLoCo)
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        """Under ``precision="16-mixed"`` or ``"bf16-mixed"``, Lightning's AMP plugin in its
+        :class:`ClippingMixedPrecision` form, so that ``gradient_clip_val`` clips a commopt
+        optimizer's gradients (Lightning's own refuses to)."""
+        plugin = trainer.strategy.precision_plugin
+        if type(plugin) is MixedPrecision:  # (a plugin of the user's own is left as it is)
+            trainer.strategy.precision_plugin = ClippingMixedPrecision(
+                plugin.precision, plugin.device, plugin.scaler
+            )
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Register the hook on the strategy's DDP model, paired with its commopt optimizer."""
@@ -109,6 +125,37 @@ class OnebitHookCallback(Callback):
         if self._synced is not None:
             self._synced.close()
             self._synced = None
+
+
+class ClippingMixedPrecision(MixedPrecision):
+    """Lightning's AMP plugin (``precision="16-mixed"`` / ``"bf16-mixed"``), which clips a
+    commopt optimizer's gradients where Lightning's own raises "does not allow for gradient
+    clipping because it performs unscaling of gradients internally".
+
+    commopt's optimizers and :class:`~commopt.DiLoCo` declare ``_step_supports_amp_scaling``,
+    as fused Adam does, so that ``GradScaler.step`` calls ``step()`` on every rank, even one
+    whose gradients overflowed (skipping it there would leave the other ranks waiting in the
+    exchange). Lightning reads that flag as "the gradients reach the clipping scaled" and
+    refuses ``gradient_clip_val``, with bf16 too, where nothing is scaled. Here, for a commopt
+    optimizer, fp16's gradients are unscaled first (``scaler.unscale_``, as Lightning does for
+    other optimizers; ``GradScaler.step`` then hands ``step()`` its verdict without a scale), and
+    the clipping is Lightning's. Other optimizers get Lightning's behaviour.
+    :class:`OnebitHookCallback` installs it in place of Lightning's at ``setup``.
+    """
+
+    def clip_gradients(
+        self,
+        optimizer: torch.optim.Optimizer,
+        clip_val: int | float = 0.0,
+        gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
+    ) -> None:
+        """Lightning's clipping; for a commopt optimizer, on unscaled gradients."""
+        if clip_val > 0 and isinstance(optimizer, (CompressedOptimizer, DiLoCo)):
+            if self.scaler is not None:
+                self.scaler.unscale_(optimizer)
+            Precision.clip_gradients(self, optimizer, clip_val, gradient_clip_algorithm)
+            return
+        super().clip_gradients(optimizer, clip_val, gradient_clip_algorithm)
 
 
 class RankStateCheckpoint(Callback):

@@ -15,10 +15,12 @@ pytest.importorskip("lightning", reason="needs Lightning: pip install 'commopt[l
 
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.plugins.precision import MixedPrecision
 
 import commopt
 from commopt.lightning import OnebitHookCallback, RankStateCheckpoint
 from tests.diloco_matrix import one_rank_past_a_sync
+from tests.optim_registry import OPTIMIZERS
 
 
 class FakeDDP(torch.nn.parallel.DistributedDataParallel):
@@ -183,3 +185,74 @@ def test_validation_during_fit_sees_the_synced_weights_and_changes_nothing(tmp_p
             assert len(module.seen) == 3
             assert all(torch.equal(seen, anchor) for seen, anchor in module.seen)
     assert torch.equal(*ends)  # validating on the anchors left training as it was
+
+
+CLIP = 0.5
+_MAKERS = {info.name: lambda ps, info=info: info.make(ps, freeze=2) for info in OPTIMIZERS}
+_MAKERS["DiLoCo"] = lambda ps: commopt.DiLoCo(torch.optim.AdamW(ps, lr=1e-2), sync_every=2)
+
+
+def _clip_data() -> DataLoader:
+    g = torch.Generator().manual_seed(0)  # targets ×10: gradients that the clipping cuts
+    return DataLoader(
+        TensorDataset(torch.randn(32, 4, generator=g), 10 * torch.randn(32, 1, generator=g)), 4
+    )
+
+
+class _Clipped(LightningModule):
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layer, self.name = torch.nn.Linear(4, 1), name
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return ((self.layer(x).float() - y) ** 2).mean()
+
+    def configure_optimizers(self):
+        return _MAKERS[self.name](self.parameters())
+
+
+def _clipped_by_hand(name: str, precision: str, clip: float | None) -> torch.Tensor:
+    """The loop Lightning runs, written out: autocast, GradScaler for fp16, unscale, clip."""
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(4, 1)
+    opt = _MAKERS[name](layer.parameters())
+    scaler = torch.amp.GradScaler("cpu") if precision == "16-mixed" else None
+    dtype = torch.float16 if precision == "16-mixed" else torch.bfloat16
+    for x, y in _clip_data():
+        with torch.autocast("cpu", dtype=dtype, cache_enabled=False):
+            loss = ((layer(x).float() - y) ** 2).mean()
+        (loss if scaler is None else scaler.scale(loss)).backward()
+        if scaler is not None:
+            scaler.unscale_(opt)
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(layer.parameters(), clip)
+        if scaler is None:
+            opt.step()
+        else:
+            scaler.step(opt)
+            scaler.update()
+        opt.zero_grad()
+    return layer.weight.detach().clone()
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
+@pytest.mark.parametrize("name", list(_MAKERS))
+def test_gradient_clip_val_clips_a_commopt_optimizers_gradients_under_amp(
+    tmp_path, name, precision
+):
+    """Lightning's AMP plugin refused ``gradient_clip_val`` with every commopt optimizer
+    ("does not allow for gradient clipping because it performs unscaling of gradients
+    internally", bf16 too); with the callback, the bits of the same loop written by hand."""
+    module = _Clipped(name)
+    # On CPU Lightning turns precision="16-mixed" into bf16; its plugin given by hand keeps
+    # fp16 and a GradScaler, what precision="16-mixed" gives on a GPU.
+    fp16 = {"plugins": [MixedPrecision("16-mixed", "cpu")]}
+    amp = fp16 if precision == "16-mixed" else {"precision": precision}
+    trainer = _trainer(tmp_path, [OnebitHookCallback()], gradient_clip_val=CLIP, **amp)
+    trainer.fit(module, _clip_data())
+    assert type(trainer.precision_plugin).__name__ == "ClippingMixedPrecision"
+    want = _clipped_by_hand(name, precision, CLIP)
+    assert torch.equal(module.layer.weight.detach(), want)
+    assert not torch.equal(want, _clipped_by_hand(name, precision, None))  # it clipped
