@@ -61,6 +61,8 @@ from commopt.optim.base import CompressedOptimizer
 
 __all__ = ["ClippingMixedPrecision", "OnebitHookCallback", "RankStateCheckpoint"]
 
+_COMMOPT = (CompressedOptimizer, DiLoCo)
+
 
 class OnebitHookCallback(Callback):
     """Registers :func:`commopt.ddp.onebit_hook` on Lightning's DDP model at ``on_fit_start``,
@@ -128,20 +130,40 @@ class OnebitHookCallback(Callback):
 
 
 class ClippingMixedPrecision(MixedPrecision):
-    """Lightning's AMP plugin (``precision="16-mixed"`` / ``"bf16-mixed"``), which clips a
-    commopt optimizer's gradients where Lightning's own raises "does not allow for gradient
+    """Lightning's AMP plugin (``precision="16-mixed"`` / ``"bf16-mixed"``), which treats a
+    commopt optimizer as it treats ``torch.optim.Adam``: with fp16 its gradients are unscaled
+    after the closure (so ``on_before_optimizer_step`` sees them unscaled), and
+    ``gradient_clip_val`` clips them, where Lightning's own raises "does not allow for gradient
     clipping because it performs unscaling of gradients internally".
 
     commopt's optimizers and :class:`~commopt.DiLoCo` declare ``_step_supports_amp_scaling``,
     as fused Adam does, so that ``GradScaler.step`` calls ``step()`` on every rank, even one
     whose gradients overflowed (skipping it there would leave the other ranks waiting in the
-    exchange). Lightning reads that flag as "the gradients reach the clipping scaled" and
-    refuses ``gradient_clip_val``, with bf16 too, where nothing is scaled. Here, for a commopt
-    optimizer, fp16's gradients are unscaled first (``scaler.unscale_``, as Lightning does for
-    other optimizers; ``GradScaler.step`` then hands ``step()`` its verdict without a scale), and
-    the clipping is Lightning's. Other optimizers get Lightning's behaviour.
-    :class:`OnebitHookCallback` installs it in place of Lightning's at ``setup``.
+    exchange). Lightning reads that flag as "the optimizer unscales inside ``step()``": it
+    leaves the gradients scaled and refuses to clip, with bf16 too, where nothing is scaled.
+    They take an unscaled gradient as well (``GradScaler.step`` then hands ``step()`` its
+    verdict without a scale), so here they are unscaled as any optimizer's. Other optimizers
+    get Lightning's behaviour. :class:`OnebitHookCallback` installs it in place of
+    Lightning's at ``setup``.
     """
+
+    def optimizer_step(  # type: ignore[override]
+        self, optimizer: Any, model: Any, closure: Any, **kwargs: Any
+    ) -> Any:
+        """Lightning's step under a GradScaler, with a commopt optimizer's gradients unscaled
+        after the closure, unless the training step returned None (Lightning then skips)."""
+        if self.scaler is None or not isinstance(optimizer, _COMMOPT):
+            return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
+        closure_result = closure()
+        skipped = closure_result is None and model.automatic_optimization
+        if not skipped:
+            self.scaler.unscale_(optimizer)
+        self._after_closure(model, optimizer)
+        if skipped:
+            return closure_result
+        step_output = self.scaler.step(optimizer, **kwargs)
+        self.scaler.update()
+        return step_output
 
     def clip_gradients(
         self,
@@ -149,13 +171,11 @@ class ClippingMixedPrecision(MixedPrecision):
         clip_val: int | float = 0.0,
         gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
     ) -> None:
-        """Lightning's clipping; for a commopt optimizer, on unscaled gradients."""
-        if clip_val > 0 and isinstance(optimizer, (CompressedOptimizer, DiLoCo)):
-            if self.scaler is not None:
-                self.scaler.unscale_(optimizer)
+        """Lightning's clipping; a commopt optimizer's gradients are unscaled by then."""
+        if isinstance(optimizer, _COMMOPT):
             Precision.clip_gradients(self, optimizer, clip_val, gradient_clip_algorithm)
-            return
-        super().clip_gradients(optimizer, clip_val, gradient_clip_algorithm)
+        else:
+            super().clip_gradients(optimizer, clip_val, gradient_clip_algorithm)
 
 
 class RankStateCheckpoint(Callback):
@@ -279,8 +299,7 @@ class _NamedFolders:
 
 
 def _the_commopt_optimizer(trainer: Trainer, who: str) -> CompressedOptimizer | DiLoCo:
-    kinds = (CompressedOptimizer, DiLoCo)
-    ours = [opt for opt in trainer.optimizers if isinstance(opt, kinds)]
+    ours = [opt for opt in trainer.optimizers if isinstance(opt, _COMMOPT)]
     if len(ours) != 1:
         found = ", ".join(type(opt).__name__ for opt in trainer.optimizers) or "none"
         raise ValueError(

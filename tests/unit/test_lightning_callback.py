@@ -188,6 +188,7 @@ def test_validation_during_fit_sees_the_synced_weights_and_changes_nothing(tmp_p
 
 
 CLIP = 0.5
+SKIPPED = 3  # the batch whose training_step returns None: Lightning skips that step
 _MAKERS = {info.name: lambda ps, info=info: info.make(ps, freeze=2) for info in OPTIMIZERS}
 _MAKERS["DiLoCo"] = lambda ps: commopt.DiLoCo(torch.optim.AdamW(ps, lr=1e-2), sync_every=2)
 
@@ -199,33 +200,51 @@ def _clip_data() -> DataLoader:
     )
 
 
+def _largest_grad(params) -> float | None:
+    grads = [p.grad for p in params if p.grad is not None]
+    return max(float(g.abs().max()) for g in grads) if grads else None
+
+
 class _Clipped(LightningModule):
     def __init__(self, name: str) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.layer, self.name = torch.nn.Linear(4, 1), name
+        self.layer, self.name, self.seen = torch.nn.Linear(4, 1), name, []
 
     def training_step(self, batch, batch_idx):
+        if batch_idx == SKIPPED:
+            return None
         x, y = batch
         return ((self.layer(x).float() - y) ** 2).mean()
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        self.seen.append(_largest_grad(self.parameters()))
 
     def configure_optimizers(self):
         return _MAKERS[self.name](self.parameters())
 
 
-def _clipped_by_hand(name: str, precision: str, clip: float | None) -> torch.Tensor:
-    """The loop Lightning runs, written out: autocast, GradScaler for fp16, unscale, clip."""
+def _clipped_by_hand(name: str, precision: str, clip: float | None):
+    """The loop Lightning runs, written out: autocast, GradScaler for fp16, unscale, clip; the
+    weights and the largest gradient each step saw before the clipping."""
     torch.manual_seed(0)
     layer = torch.nn.Linear(4, 1)
     opt = _MAKERS[name](layer.parameters())
     scaler = torch.amp.GradScaler("cpu") if precision == "16-mixed" else None
     dtype = torch.float16 if precision == "16-mixed" else torch.bfloat16
-    for x, y in _clip_data():
+    seen = []
+    for i, (x, y) in enumerate(_clip_data()):
+        if i == SKIPPED:  # Lightning: no backward; bf16 steps on no gradients, fp16 skips
+            seen.append(None)
+            if scaler is None:
+                opt.step()
+            continue
         with torch.autocast("cpu", dtype=dtype, cache_enabled=False):
             loss = ((layer(x).float() - y) ** 2).mean()
         (loss if scaler is None else scaler.scale(loss)).backward()
         if scaler is not None:
             scaler.unscale_(opt)
+        seen.append(_largest_grad(layer.parameters()))
         if clip is not None:
             torch.nn.utils.clip_grad_norm_(layer.parameters(), clip)
         if scaler is None:
@@ -234,7 +253,7 @@ def _clipped_by_hand(name: str, precision: str, clip: float | None) -> torch.Ten
             scaler.step(opt)
             scaler.update()
         opt.zero_grad()
-    return layer.weight.detach().clone()
+    return layer.weight.detach().clone(), seen
 
 
 @pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
@@ -244,7 +263,8 @@ def test_gradient_clip_val_clips_a_commopt_optimizers_gradients_under_amp(
 ):
     """Lightning's AMP plugin refused ``gradient_clip_val`` with every commopt optimizer
     ("does not allow for gradient clipping because it performs unscaling of gradients
-    internally", bf16 too); with the callback, the bits of the same loop written by hand."""
+    internally", bf16 too) and showed ``on_before_optimizer_step`` fp16's scaled gradients;
+    with the callback, the bits of the same loop written by hand, a skipped batch included."""
     module = _Clipped(name)
     # On CPU Lightning turns precision="16-mixed" into bf16; its plugin given by hand keeps
     # fp16 and a GradScaler, what precision="16-mixed" gives on a GPU.
@@ -253,6 +273,7 @@ def test_gradient_clip_val_clips_a_commopt_optimizers_gradients_under_amp(
     trainer = _trainer(tmp_path, [OnebitHookCallback()], gradient_clip_val=CLIP, **amp)
     trainer.fit(module, _clip_data())
     assert type(trainer.precision_plugin).__name__ == "ClippingMixedPrecision"
-    want = _clipped_by_hand(name, precision, CLIP)
+    want, seen = _clipped_by_hand(name, precision, CLIP)
     assert torch.equal(module.layer.weight.detach(), want)
-    assert not torch.equal(want, _clipped_by_hand(name, precision, None))  # it clipped
+    assert list(map(str, module.seen)) == list(map(str, seen))  # unscaled, as Adam's (nan, inf)
+    assert not torch.equal(want, _clipped_by_hand(name, precision, None)[0])  # it clipped
