@@ -12,6 +12,11 @@ by itself), on the same data. Rank 0 writes ``result.json``: per optimizer the l
 steps, by design) and whether Lightning's weights equal the standalone optimizer's on every
 rank, bit for bit.
 
+With ``--amp bf16`` or ``--amp fp16`` Lightning trains in mixed precision, and the standalone
+run does the same by hand (torch.autocast, and a GradScaler for fp16); ``--clip C`` sets
+``gradient_clip_val``, which Lightning's own AMP plugin refuses for commopt's optimizers and
+the callback's ``ClippingMixedPrecision`` allows (docs/ddp.md).
+
 With ``--resume-check``, for each optimizer also: a Lightning checkpoint after step 16, and a
 new Trainer resumed from it, with and without ``commopt.lightning.RankStateCheckpoint``; the
 result says whether the resumed run starts from the bits (weights and optimizer state) every
@@ -31,6 +36,7 @@ from collections.abc import Callable
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
+from lightning.pytorch.plugins.precision import MixedPrecision
 from torch.utils.data import DataLoader, TensorDataset
 
 import commopt
@@ -82,14 +88,31 @@ def flat(module: torch.nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in module.parameters()])
 
 
-def standalone(name: str, freeze: int, data: TensorDataset) -> torch.Tensor:
-    """The same training without Lightning or DDP: the optimizer communicates by itself."""
+def grad_scaler(init_scale: float) -> torch.amp.GradScaler:
+    return torch.amp.GradScaler("cpu", init_scale=init_scale)
+
+
+def standalone(
+    name: str, freeze: int, data: TensorDataset, amp: str = "none", init_scale: float = 2.0**16
+) -> torch.Tensor:
+    """The same training without Lightning or DDP: the optimizer communicates by itself (under
+    ``amp``, in torch.autocast, and with fp16 through a GradScaler that the optimizer's step
+    unscales for)."""
     net = make_model()
     opt = OPTIMIZERS[name](net.parameters(), freeze)
+    scaler = grad_scaler(init_scale) if amp == "fp16" else None
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(amp)
     for x, y in DataLoader(data, batch_size=16):
         opt.zero_grad()
-        torch.nn.functional.mse_loss(net(x), y).backward()
-        opt.step()
+        with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+            loss = torch.nn.functional.mse_loss(net(x), y)
+        if scaler is None:
+            loss.backward()
+            opt.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
     return flat(net)
 
 
@@ -105,12 +128,26 @@ def true_everywhere(flag: bool) -> bool:
     return bool(t.item())
 
 
-def _trainer(steps: int, callbacks: list[pl.Callback]) -> pl.Trainer:
+def _trainer(
+    steps: int,
+    callbacks: list[pl.Callback],
+    amp: str = "none",
+    clip: float = 0.0,
+    init_scale: float = 2.0**16,
+) -> pl.Trainer:
+    # On CPU precision="16-mixed" means bf16; Lightning's plugin given by hand keeps fp16 and a
+    # GradScaler, as precision="16-mixed" does on a GPU.
+    fp16: dict = {"plugins": [MixedPrecision("16-mixed", "cpu", grad_scaler(init_scale))]}
+    precision = (
+        fp16 if amp == "fp16" else {"precision": "bf16-mixed" if amp == "bf16" else "32-true"}
+    )
     return pl.Trainer(
         accelerator="cpu",
         devices=int(os.environ.get("WORLD_SIZE", "1")),
         strategy="ddp",
         max_steps=steps,
+        gradient_clip_val=clip or None,
+        **precision,
         callbacks=[OnebitHookCallback(), *callbacks],
         use_distributed_sampler=False,  # each rank brings its own data (make_data)
         logger=False,
@@ -189,6 +226,27 @@ def main() -> None:
     parser.add_argument("--optimizers", default=",".join(OPTIMIZERS))
     parser.add_argument("--out", default="pl-run")
     parser.add_argument(
+        "--amp",
+        choices=["none", "bf16", "fp16"],
+        default="none",
+        help="Lightning's mixed precision (bf16-mixed, or fp16 with a GradScaler)",
+    )
+    parser.add_argument(
+        "--init-scale",
+        type=float,
+        default=2.0**16,
+        help="with --amp fp16, GradScaler's first scale (65536, its default); with one that "
+        "overflows, the runs part: through the DDP hook one rank's inf reaches every rank in the "
+        "averaged gradient and every rank's scale backs off, standalone only that rank's does",
+    )
+    parser.add_argument(
+        "--clip",
+        type=float,
+        default=0.0,
+        help="gradient_clip_val (then no standalone run: the hook's warmup clips the averaged "
+        "gradient, the standalone optimizer each rank's own)",
+    )
+    parser.add_argument(
         "--resume-check", action="store_true", help="also resume from a checkpoint at step 16"
     )
     args = parser.parse_args()
@@ -197,7 +255,7 @@ def main() -> None:
 
     results = {}
     for name in args.optimizers.split(","):
-        trainer = _trainer(args.steps, [])
+        trainer = _trainer(args.steps, [], args.amp, args.clip, args.init_scale)
         module = Regression(name, args.freeze_step)
         data = make_data(trainer.global_rank, args.steps)
         trainer.fit(module, DataLoader(data, batch_size=16))
@@ -206,8 +264,12 @@ def main() -> None:
         results[name] = {
             "losses": module.losses,
             "replicas_identical": identical_everywhere(weights),
-            "equals_standalone": true_everywhere(
-                torch.equal(weights, standalone(name, args.freeze_step, data))
+            "equals_standalone": None
+            if args.clip
+            else true_everywhere(
+                torch.equal(
+                    weights, standalone(name, args.freeze_step, data, args.amp, args.init_scale)
+                )
             ),
             "comm_stats": {k: v for k, v in stats.items() if not isinstance(v, dict)},
         }
