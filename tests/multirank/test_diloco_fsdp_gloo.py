@@ -118,12 +118,8 @@ def _bf16_compute(backend):
     rank = dist.get_rank()
     model, mesh = _sharded(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
     replicate = commopt.TorchBackend(mesh.get_group("replicate"))
-    opt = commopt.DiLoCo(
-        torch.optim.AdamW(model.parameters(), lr=1e-2),
-        sync_every=H,
-        fp32_syncs=1,
-        backend=replicate,
-    )
+    kw = dict(sync_every=H, fp32_syncs=1, backend=replicate)  # the first sync at fp32
+    opt = commopt.DiLoCo(torch.optim.AdamW(model.parameters(), lr=1e-2), **kw)
     losses, synced_equal = [], []
     for step in range(1, STEPS + 1):
         x, y = _batch(rank, step)
