@@ -20,7 +20,7 @@ from commopt.choices import (
     Scale,
     check_choice,
 )
-from commopt.optim.config import read_through
+from commopt.optim.config import read_through_fields
 
 __all__ = [
     "FP32_START",
@@ -99,12 +99,10 @@ class Settings:
         object.__setattr__(self, name, value)  # (frozen: only while it is being built)
 
 
-def settings_read_through(cls: type[_T]) -> type[_T]:
+def settings_read_through(cls: _T) -> _T:
     """Give ``cls`` one read-only property per field of :class:`Settings`, read from
     ``self.config``; assigning one raises an ``AttributeError`` that says what to do."""
-    for field in dataclasses.fields(Settings):
-        setattr(cls, field.name, read_through(field.name, _REMEDY))
-    return cls
+    return read_through_fields(cls, Settings, _REMEDY)
 
 
 @dataclasses.dataclass

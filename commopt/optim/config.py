@@ -61,7 +61,7 @@ __all__ = [
     "config_differences",
     "configured_by",
     "fill_template",
-    "read_through",
+    "read_through_fields",
     "saved_config",
 ]
 
@@ -144,25 +144,27 @@ def configured_by(config_type: type) -> Callable[[T], T]:
     def decorate(cls: T) -> T:
         doc = fill_template(cls.__doc__ or "", "{schedule_and_resume}", SCHEDULE_AND_RESUME_DOC)
         cls.__doc__ = fill_template(doc, "{communication_options}", COMM_OPTIONS_DOC)
-        for field in dataclasses.fields(config_type):
-            if not any(field.name in vars(k) for k in cls.__mro__):  # (the class's own wins)
-                setattr(cls, field.name, read_through(field.name, _REMEDY))
-        return cls
+        return read_through_fields(cls, config_type, _REMEDY)
 
     return decorate
 
 
-def read_through(name: str, remedy: str) -> property:
-    """A read-only property for ``self.config.<name>``; assigning it is an ``AttributeError``
-    naming the frozen config and ``remedy`` (``{name}`` in it filled in), what to do instead."""
+def read_through_fields(cls: T, config_type: type, remedy: str) -> T:
+    """A read-only property ``self.config.<field>`` per field ``cls`` does not define; setting
+    one raises an ``AttributeError`` naming the frozen config and ``remedy`` (with ``{name}``)."""
+    for field in dataclasses.fields(config_type):
+        if not any(field.name in vars(k) for k in cls.__mro__):  # (the class's own wins)
+            setattr(cls, field.name, _read_through(field.name, remedy))
+    return cls
 
+
+def _read_through(name: str, remedy: str) -> property:
     def read(self: Any) -> Any:
         return getattr(self.config, name)
 
     def refuse(self: Any, value: Any) -> None:
-        raise AttributeError(
-            f"{name} is part of {type(self).__name__}.config (frozen): " + remedy.format(name=name)
-        )
+        why = remedy.format(name=name)
+        raise AttributeError(f"{name} is part of {type(self).__name__}.config (frozen): {why}")
 
     return property(read, refuse, doc=f"``config.{name}`` (read-only).")
 
