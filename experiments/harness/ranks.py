@@ -42,19 +42,14 @@ def _worker(
         torch.set_num_threads(1)
         from commopt.comm import TorchBackend, set_default_backend
 
-        # The same race for every group fn creates (dist.new_group, a device mesh, commopt's
-        # node groups): a rank that leaves the creation and returns at once (a refusal, a group
-        # no collective ever runs on) could close its sockets while a peer is still connecting
-        # (seen once in CI, test_backend_on_a_rank_outside_its_group_is_refused). torch's own
-        # switch ends every group's creation with a store-based barrier of all ranks.
-        os.environ.setdefault("TORCH_DIST_INIT_BARRIER", "1")
+        # A rank that leaves a group's creation and returns or raises at once (an argument
+        # check, a group no collective ever runs on) would otherwise exit and close its sockets
+        # while a slower rank is still inside gloo's connectFullMesh, which then fails with
+        # "Connection closed by peer" (seen in CI for the world group and for a dist.new_group).
+        # torch's own switch ends every group's creation, init_process_group's included, with a
+        # store-based barrier of all ranks: leaving it means every rank has finished connecting.
+        os.environ["TORCH_DIST_INIT_BARRIER"] = "1"
         dist.init_process_group(engine, init_method=f"file://{path}", rank=rank, world_size=n)
-        # A rank whose fn returns or raises at once (an argument check) would otherwise exit and
-        # close its sockets while a slower rank is still inside gloo's connectFullMesh, which then
-        # fails with "Connection closed by peer" (seen once in CI under two pytest workers).
-        # Leaving the barrier means every rank has finished connecting.
-        if n > 1:
-            dist.barrier()
         backend = TorchBackend()
         set_default_backend(backend)
         result = fn(backend, *args)

@@ -44,15 +44,17 @@ def _mlp(widths: tuple[int, ...] = (D, D, D, D), bias: bool = False) -> nn.Seque
     return nn.Sequential(*layers)
 
 
-def _sharded(model: nn.Module, replicas: int, shards: int):
+def _sharded(model: nn.Module, replicas: int, shards: int, **kw):
+    """``model`` sharded by FSDP2 over ``mesh["shard"]``, each Linear and then the whole
+    (``kw``: more of ``fully_shard``'s arguments, as ``mp_policy``)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh("cpu", (replicas, shards), mesh_dim_names=("replicate", "shard"))
     for layer in model:
         if isinstance(layer, nn.Linear):
-            fully_shard(layer, mesh=mesh["shard"])
-    fully_shard(model, mesh=mesh["shard"])
+            fully_shard(layer, mesh=mesh["shard"], **kw)
+    fully_shard(model, mesh=mesh["shard"], **kw)
     return model, mesh
 
 
@@ -486,17 +488,13 @@ def _bf16_compute(backend, name: str, reduce_dtype: torch.dtype | None, policy: 
     """MP_STEPS steps on 2 × 2 of ``name``; with ``policy``, FSDP2's
     ``MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype)`` on every
     module, the way docs/fsdp.md tells users to compute in low precision."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
     import commopt.fsdp
 
     del backend
-    model = _mlp(bias=True)
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     kw = {"mp_policy": MixedPrecisionPolicy(torch.bfloat16, reduce_dtype)} if policy else {}
-    for layer in [*[m for m in model if isinstance(m, nn.Linear)], model]:
-        fully_shard(layer, mesh=mesh["shard"], **kw)
+    model, mesh = _sharded(_mlp(bias=True), 2, 2, **kw)
     opt = BY_NAME[name].make(list(model.parameters()), freeze=4)
     sharding = commopt.fsdp.attach(model, opt, mesh)
     start = torch.cat([w.reshape(-1) for w in _gathered(model)])
